@@ -1,0 +1,121 @@
+"""Source -> artifact: trace the emitted module with cute.compile and link a shared object.
+
+Runs on any machine, GPU or not: the target comes from ``--gpu-arch`` (always explicit), inputs
+are fake tensors whose batch, sequence and head counts are symbolic, and nothing queries a
+device. The artifact is a TVM-FFI shared object loadable with only the CuTe DSL runtime library
+and apache-tvm-ffi (see ``fa4gen.runtime``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fa4gen.emit import EmittedKernel
+from fa4gen.planner import Plan
+from fa4gen.spec import AttentionSpec, dump_spec
+
+ENTRY = "fa4gen_attention"  # exported symbol of every artifact
+SOURCE_FILE = "kernel.py"
+LIBRARY_FILE = "kernel.so"
+PTX_FILE = "kernel.ptx"
+CUBIN_FILE = "kernel.cubin"
+ELEMENT_ALIGN = 8  # strides in elements: 16 bytes of 16-bit data, what TMA requires
+
+
+class CompileError(RuntimeError):
+    """A spec that validated did not compile: a bug in fa4gen, reported with the spec and plan."""
+
+
+def fake_arguments(spec: AttentionSpec) -> list[Any]:
+    """Stand-ins for (q, k, v, o, lse, stream): symbolic B, S, H; static head dims."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+
+    def bshd(dim: int):
+        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), dim)
+        stride = tuple(cute.sym_int64(divisibility=ELEMENT_ALIGN) for _ in range(3)) + (1,)
+        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+    lse = None
+    if spec.return_lse:
+        lse = make_fake_tensor(
+            cutlass.Float32,
+            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+            stride=(cute.sym_int64(), cute.sym_int64(), 1),
+            assumed_align=4,
+        )
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, stream]
+
+
+def import_source(path: Path, module_name: str):
+    """Import generated source from a real file (CuTe DSL reads function source to trace it)."""
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def runtime_libraries() -> list[str]:
+    import cutlass.cute as cute
+
+    return list(cute.runtime.find_runtime_libraries(enable_tvm_ffi=True))
+
+
+def link_shared_object(obj: Path, out: Path) -> None:
+    """Link against the runtime libraries by soname (no paths baked in: the artifact travels)."""
+    args = ["gcc", "-shared", "-o", str(out), str(obj)]
+    for lib in runtime_libraries():
+        lib_path = Path(lib)
+        args += [f"-L{lib_path.parent}", f"-l:{lib_path.name}"]
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompileError(f"linking {out.name} failed: {result.stderr.strip()}")
+
+
+def build_artifact(spec: AttentionSpec, plan: Plan, emitted: EmittedKernel, out_dir: Path) -> dict[str, Any]:
+    """Write source, compile for plan.arch, export + link kernel.so into ``out_dir``."""
+    import cutlass.cute as cute
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source_path = out_dir / SOURCE_FILE
+    source_path.write_text(emitted.source)
+    (out_dir / "spec.yaml").write_text(dump_spec(spec))
+    (out_dir / "plan.json").write_text(plan.model_dump_json(indent=2))
+    dump_dir = out_dir / "asm"
+    dump_dir.mkdir()
+    started = time.perf_counter()
+    module = import_source(source_path, emitted.module_name)
+    try:
+        kernel = module.make_kernel()
+        options = f"--gpu-arch {plan.arch} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump_dir}"
+        compiled = cute.compile(kernel, *fake_arguments(spec), options=options)
+    except Exception as exc:  # surface as one error naming the variant, never raw MLIR alone
+        raise CompileError(
+            f"fa4gen failed to compile a valid spec ({spec.summary()}) for {plan.arch}; "
+            f"this is a bug in fa4gen, please report it with the spec. Cause: {exc}"
+        ) from exc
+    finally:
+        sys.modules.pop(emitted.module_name, None)
+    compile_seconds = time.perf_counter() - started
+    obj = out_dir / "kernel.o"
+    compiled.export_to_c(str(obj), function_name=ENTRY)
+    link_shared_object(obj, out_dir / LIBRARY_FILE)
+    obj.unlink()
+    for suffix, name in ((".ptx", PTX_FILE), (".cubin", CUBIN_FILE)):
+        found = sorted(dump_dir.glob(f"*{suffix}"))
+        if found:
+            shutil.move(str(found[0]), out_dir / name)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    return {"compile_seconds": round(compile_seconds, 3), "entry": ENTRY}

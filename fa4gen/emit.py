@@ -1,0 +1,86 @@
+"""Plan -> source: render the variant's CuTe-DSL module from a jinja2 template.
+
+The template holds only what differs per variant (the score modifier with the spec's constants,
+and the wiring of the plan's numbers into the kernel class); it is rendered deterministically, so
+the same (spec, plan) always gives byte-identical source (checked by golden-file tests).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from pydantic import BaseModel, ConfigDict
+
+from fa4gen import __version__
+from fa4gen.planner import Plan
+from fa4gen.spec import AttentionSpec, dump_spec
+
+LOG2E = math.log2(math.e)
+
+# kernel class -> (module under fa4gen.kernels, template file)
+KERNEL_TEMPLATES = {
+    "HopperAttentionForward": ("sm90_fwd", "sm90_fwd.py.jinja"),
+}
+
+
+class EmittedKernel(BaseModel):
+    """Generated source of one kernel module plus the name it is imported under."""
+
+    model_config = ConfigDict(frozen=True)
+
+    module_name: str
+    template: str
+    source: str
+
+
+def templates_dir() -> Path:
+    """Installed wheels ship the templates as package data (fa4gen/templates); a source checkout
+    keeps them in the repository's top-level templates/."""
+    packaged = Path(__file__).parent / "templates"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def _comment(text: str) -> str:
+    return "\n".join(("#   " + line).rstrip() for line in text.rstrip("\n").splitlines())
+
+
+def _float_literal(value: float) -> str:
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"cannot emit non-finite constant {value}")
+    return repr(value)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["comment"] = _comment
+    env.filters["float_literal"] = _float_literal
+    return env
+
+
+def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") -> EmittedKernel:
+    kernel_module, template_name = KERNEL_TEMPLATES[plan.kernel]
+    template = _environment().get_template(template_name)
+    source = template.render(
+        version=__version__,
+        spec=spec,
+        plan=plan,
+        spec_yaml=dump_spec(spec),
+        plan_text=plan.describe(),
+        kernel_module=kernel_module,
+        softcap=spec.softcap,
+        scale=spec.scale,
+        log2e=LOG2E,
+    )
+    return EmittedKernel(module_name=module_name, template=template_name, source=source)

@@ -1,0 +1,151 @@
+"""Spec + arch -> Plan: the tile and pipeline schedule, with a reason for every choice.
+
+The plan is a frozen model: everything the kernel class needs as compile-time constants, and
+nothing that depends on the machine doing the planning. Per-arch tables live here, one row per
+head-dim bucket, each with the one-line reason behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict
+
+from fa4gen.arch import Arch, require_supported
+from fa4gen.spec import AttentionSpec
+
+WARPGROUP_MMA_M = 64  # rows of one Hopper warpgroup MMA
+MMA_K_GRANULE = 16  # K extent of one 16-bit wgmma; head dims are zero-padded (by TMA) to this
+SMEM_RESERVE_BYTES = 1024  # mbarriers and alignment slack
+
+
+class Plan(BaseModel):
+    """How one spec runs on one arch. Every field is a compile-time constant of the kernel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arch: str
+    kernel: str  # kernel class that runs this plan
+    tile_m: int  # query rows per CTA (= 64 x consumer warpgroups)
+    tile_n: int  # key rows per main-loop step
+    kv_stages: int  # depth of the K and V shared-memory ring buffers
+    num_consumer_warpgroups: int
+    producer_regs: int  # setmaxnreg for the TMA producer warpgroup
+    consumer_regs: int  # setmaxnreg for each MMA/softmax warpgroup
+    head_dim_padded: int  # K extent of Q.K^T as loaded (TMA zero-fills the tail)
+    head_dim_v_padded: int  # N extent of P.V as loaded
+    p_in_registers: bool  # P feeds the P.V wgmma from registers (no shared-memory round trip)
+    skip_masked_tiles: bool  # key tiles that a mask empties are never loaded nor computed
+    intra_warpgroup_overlap: bool
+    pingpong: bool
+    smem_bytes: int
+    reasons: dict[str, str]
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
+    def describe(self) -> str:
+        lines = [f"plan for {self.arch} ({self.kernel})"]
+        for name, value in self.model_dump(exclude={"reasons"}).items():
+            reason = self.reasons.get(name, "")
+            lines.append(f"  {name:26} {str(value):10} {reason}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TileRow:
+    max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
+    tile_n: int
+    kv_stages: int
+    reason: str
+
+
+# sm_90a forward, 2 consumer warpgroups (tile_m = 128). Shared memory holds Q (128 x d) plus
+# kv_stages x (K tile + V tile); registers hold S (64 x tile_n) and O (64 x dv) per warpgroup.
+SM90_FWD_TILES: tuple[TileRow, ...] = (
+    TileRow(64, 128, 3, "small d: 3 K/V stages (112 KB) hide load latency behind short MMAs"),
+    TileRow(128, 128, 2, "d128: 128x128 tiles, 2 stages fill 160 KB; S and O fit 240 registers"),
+    TileRow(192, 128, 2, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
+    TileRow(256, 64, 2, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
+)
+
+SM90_CONSUMER_WARPGROUPS = 2
+SM90_PRODUCER_REGS = 24
+SM90_CONSUMER_REGS = 240
+
+
+def _round_up(value: int, granule: int) -> int:
+    return (value + granule - 1) // granule * granule
+
+
+def sm90_smem_bytes(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int) -> int:
+    q = tile_m * dqk
+    kv = stages * tile_n * (dqk + dv)
+    return (q + kv) * elem_bytes + SMEM_RESERVE_BYTES
+
+
+def _plan_sm90(spec: AttentionSpec) -> Plan:
+    caps = Arch.SM90A.caps
+    dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
+    dv = _round_up(spec.dv, MMA_K_GRANULE)
+    row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
+    tile_m = WARPGROUP_MMA_M * SM90_CONSUMER_WARPGROUPS
+    tile_n, stages = row.tile_n, row.kv_stages
+    tile_reason = row.reason
+    elem = 2
+    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem) > caps.smem_bytes_per_cta:
+        if stages > 2:
+            stages -= 1
+        else:
+            tile_n -= MMA_K_GRANULE
+        tile_reason = f"{row.reason}; shrunk to fit {caps.smem_bytes_per_cta // 1024} KB of shared memory"
+    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem)
+    regs_total = 128 * (SM90_PRODUCER_REGS + SM90_CONSUMER_WARPGROUPS * SM90_CONSUMER_REGS)
+    assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
+    reasons = {
+        "kernel": "warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups",
+        "tile_m": f"{SM90_CONSUMER_WARPGROUPS} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
+        "tile_n": tile_reason,
+        "kv_stages": tile_reason,
+        "num_consumer_warpgroups": "two MMA warpgroups share each K/V tile, halving loads per FLOP",
+        "producer_regs": "the producer only issues TMA: give its registers to the consumers",
+        "consumer_regs": f"{SM90_CONSUMER_WARPGROUPS}x128 threads x {SM90_CONSUMER_REGS} + 128 x "
+        f"{SM90_PRODUCER_REGS} = {regs_total} <= {caps.registers_per_sm} registers",
+        "head_dim_padded": f"wgmma K granule is {MMA_K_GRANULE}; TMA zero-fills the padding",
+        "head_dim_v_padded": f"kept to a multiple of {MMA_K_GRANULE}; the store masks padded columns",
+        "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)",
+        "skip_masked_tiles": "causal/window bounds give the key-tile range per query tile; "
+        "tiles outside are neither loaded nor computed, and only boundary tiles run mask code"
+        if spec.has_mask
+        else "no structural mask: every key tile is used; only the ragged last tile is masked",
+        "intra_warpgroup_overlap": "not yet: softmax and the next Q.K^T run back to back",
+        "pingpong": "not yet: both consumer warpgroups run in lockstep",
+        "smem_bytes": f"Q + {stages} x (K + V) tiles + barriers, of {caps.smem_bytes_per_cta} available",
+    }
+    return Plan(
+        arch=Arch.SM90A.value,
+        kernel="HopperAttentionForward",
+        tile_m=tile_m,
+        tile_n=tile_n,
+        kv_stages=stages,
+        num_consumer_warpgroups=SM90_CONSUMER_WARPGROUPS,
+        producer_regs=SM90_PRODUCER_REGS,
+        consumer_regs=SM90_CONSUMER_REGS,
+        head_dim_padded=dqk,
+        head_dim_v_padded=dv,
+        p_in_registers=True,
+        skip_masked_tiles=spec.has_mask,
+        intra_warpgroup_overlap=False,
+        pingpong=False,
+        smem_bytes=smem,
+        reasons=reasons,
+    )
+
+
+_PLANNERS = {Arch.SM90A: _plan_sm90}
+
+
+def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
+    """Lower a spec to the schedule its kernel runs on ``arch``."""
+    target = require_supported(arch)
+    return _PLANNERS[target](spec)

@@ -1,0 +1,65 @@
+"""Identity of what produced an artifact: fa4gen's own sources and the CuTe DSL toolchain.
+
+Read without importing the CuTe DSL compiler (package metadata only), so a cache hit stays cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as metadata
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from fa4gen import __version__
+
+TOOLCHAIN_ENV = "FA4GEN_TOOLCHAIN"  # e.g. "cutlass-dsl=4.8.1,cuda=cu13" where no distribution metadata exists
+_DSL_DISTS = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base")
+_FLAVOURS = ("cu13", "cu12")  # newest first: with no driver present the DSL compiles for the newest
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def toolchain() -> dict[str, str]:
+    """{"cutlass_dsl": version, "cuda": flavour} of the installed CuTe DSL."""
+    override = os.environ.get(TOOLCHAIN_ENV)
+    if override:
+        fields = dict(part.split("=", 1) for part in override.split(",") if "=" in part)
+        if {"cutlass-dsl", "cuda"} <= fields.keys():
+            return {"cutlass_dsl": fields["cutlass-dsl"], "cuda": fields["cuda"]}
+        raise RuntimeError(f"{TOOLCHAIN_ENV}={override!r}: expected 'cutlass-dsl=VERSION,cuda=cu13|cu12'")
+    version = next((v for v in map(_dist_version, _DSL_DISTS) if v), None)
+    if version is None:
+        raise RuntimeError(
+            "cannot identify the CuTe DSL toolchain: install nvidia-cutlass-dsl, or set "
+            f"{TOOLCHAIN_ENV}='cutlass-dsl=VERSION,cuda=cu13' on a machine that only runs cached kernels"
+        )
+    flavour = next((f for f in _FLAVOURS if _dist_version(f"nvidia-cutlass-dsl-libs-{f}")), "cu12")
+    return {"cutlass_dsl": version, "cuda": flavour}
+
+
+def package_root() -> Path:
+    return Path(__file__).resolve().parent
+
+
+@lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """sha256 over fa4gen's Python sources and kernel templates (relative names + contents)."""
+    from fa4gen.emit import templates_dir
+
+    digest = hashlib.sha256(__version__.encode())
+    roots = [("fa4gen", package_root(), "*.py"), ("templates", templates_dir(), "*.jinja")]
+    for label, root, pattern in roots:
+        for path in sorted(root.rglob(pattern)):
+            if "__pycache__" in path.parts:
+                continue
+            digest.update(f"{label}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()
