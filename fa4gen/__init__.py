@@ -1,3 +1,42 @@
-"""fa4gen: a JIT kernel-generation compiler for attention variants."""
+"""fa4gen: a JIT kernel-generation compiler for attention variants.
+
+    spec = fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)
+    attn = fa4gen.compile(spec)          # plan -> emit -> compile (or load from the disk cache)
+    o = attn(q, k, v)
+
+Stages, each a pure function over frozen models and each visible from the CLI:
+``plan(spec, arch) -> Plan``, ``emit(spec, plan) -> EmittedKernel``, ``build(spec, arch)``
+(compile into the cache), ``compile(spec)`` (build + load a callable).
+"""
 
 __version__ = "0.1.0"
+
+from fa4gen.arch import Arch, UnsupportedArchError, detect_arch  # noqa: E402
+from fa4gen.cache import CacheError, CacheMiss, KernelCache, UntrustedCacheError  # noqa: E402
+from fa4gen.emitter import EmittedKernel, emit  # noqa: E402
+from fa4gen.planner import Plan, plan  # noqa: E402
+from fa4gen.runtime import AttentionKernel  # noqa: E402
+from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_json_schema  # noqa: E402
+from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004
+
+__all__ = [
+    "Arch",
+    "AttentionKernel",
+    "AttentionSpec",
+    "BuildResult",
+    "CacheError",
+    "CacheMiss",
+    "EmittedKernel",
+    "KernelCache",
+    "Plan",
+    "UnsupportedArchError",
+    "UntrustedCacheError",
+    "build",
+    "compile",
+    "detect_arch",
+    "dump_spec",
+    "emit",
+    "load_spec",
+    "plan",
+    "spec_json_schema",
+]

@@ -1,15 +1,11 @@
 """On-disk cache of compiled kernel artifacts, shared safely between processes and machines.
 
-Layout under the cache root::
-
-    entries/<key>/     one directory per kernel: the artifact files plus meta.json, written last
-    index/             diskcache.Cache: key -> meta + "last_use"; advisory, may be deleted at will
-    locks/<key>.lock   fcntl.flock lock serialising the builds of one key
-    tmp/               build, import and removal staging, on the same filesystem as entries/
-
-An entry exists iff entries/<key>/meta.json parses, names the key, and every file it lists hashes
-to the recorded sha256. Entries only ever appear by an atomic rename of a complete directory, so a
-reader sees either nothing or a whole entry; anything else is treated as missing and rebuilt.
+Layout under the root: ``entries/<key>/`` holds one kernel's files plus ``meta.json`` (written
+last: the commit marker); ``index/`` is a diskcache.Cache of key -> meta + last use (advisory, may
+be deleted at will); ``locks/<key>.lock`` serialises builds of a key with fcntl.flock; ``tmp/`` is
+staging on the same filesystem. An entry exists iff its meta.json parses, names the key, and every
+file it lists hashes to the recorded sha256. Entries appear only by atomic rename of a complete
+directory, so readers see nothing or a whole entry; anything else counts as missing.
 
 This module is on the hot path of loading a kernel: it must never import torch or cutlass.
 """
@@ -44,11 +40,10 @@ RESERVED_META_KEYS = frozenset({"files", "created", "size", "last_use"})
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgtp]?)(?:i?b)?", re.IGNORECASE)
-_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_RACY_NS = 2_000_000_000  # files modified this recently are re-hashed on every lookup
+_RACY_NS = 2_000_000_000  # files modified more recently than this are re-hashed on every lookup
+_VERIFIED: dict[tuple, None] = {}  # per-process memo of verified (path, file stats, digests)
 _VERIFIED_MAX = 4096
-_VERIFIED: dict[tuple, None] = {}  # per-process memo of verified (path, stats, digests)
 _STALE_IMPORT_S = 24 * 3600
 
 log = logging.getLogger(__name__)
@@ -67,7 +62,7 @@ class UntrustedCacheError(CacheError):
 
 
 class CacheFullError(CacheError):
-    """The filesystem of the cache filled up while an entry was written; nothing was kept."""
+    """The cache's filesystem filled up while an entry was written; nothing was kept."""
 
 
 class CacheCorruptionWarning(RuntimeWarning):
@@ -94,27 +89,19 @@ def make_key(parts: dict) -> str:
 
 
 def parse_size(value: int | str, source: str = "size limit") -> int:
-    """Bytes from an int or a string such as "1048576", "500M", "10G", "1.5GiB" (binary units)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{source}: expected a byte count, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE_RE.fullmatch(str(value).strip())
-        if match is None:
-            raise ValueError(
-                f"{source}: cannot parse {value!r}; expected a byte count such as 1073741824 or "
-                f"a number with a K/M/G/T suffix such as 500M or 10G"
-            )
-        size = int(float(match.group(1)) * 1024 ** _UNITS[match.group(2).lower()])
-    if size < 0:
-        raise ValueError(f"{source}: must not be negative, got {value!r}")
-    return size
+    """Bytes from an int or a string like "1048576", "500M", "10G", "1.5GiB" (binary units)."""
+    match = None if isinstance(value, (int, bool)) else _SIZE_RE.fullmatch(str(value).strip())
+    if match is not None:
+        value = int(float(match.group(1)) * 1024 ** " kmgtp".index(match.group(2).lower() or " "))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source}: cannot use {value!r}; expected a byte count such as "
+                         f"1073741824 or a number with a K/M/G/T suffix such as 500M or 10G")
+    return value
 
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """A verified cache entry: `path` holds the artifact files listed in meta["files"]."""
+    """A verified entry: `path` holds the artifact files listed in meta["files"]."""
 
     key: str
     path: Path
@@ -139,10 +126,11 @@ def _check_meta(meta: dict) -> dict:
     reserved = RESERVED_META_KEYS.intersection(meta)
     if reserved:
         raise ValueError(f"cache meta must not set {sorted(reserved)}: the cache fills them in")
-    return json.loads(json.dumps(meta))  # a pure-JSON deep copy; raises TypeError if it is not
+    return json.loads(json.dumps(meta))  # a pure-JSON deep copy; TypeError if not serialisable
 
 
 def _is_disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC/EDQUOT anywhere in the exception's cause/context chain."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
@@ -158,7 +146,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    """Create `path` (it must not exist) holding `doc`, flushed to disk."""
+    """Create `path` (which must not exist) holding `doc`, flushed to disk."""
     data = memoryview(json.dumps(doc, sort_keys=True, indent=1).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -178,14 +166,14 @@ def _rmtree(path: Path) -> None:
 
 
 def _mkdirs(path: Path, mode: int) -> None:
-    """mkdir -p where the last directory gets `mode` and missing parents 0o755 (umask applies)."""
+    """mkdir -p: the last directory gets `mode`, missing parents 0o755 (the umask applies)."""
     missing = []
     while not os.path.isdir(path) and path.parent != path:
         missing.append(path)
         path = path.parent
-    for i, directory in enumerate(reversed(missing)):
+    for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, mode if i == len(missing) - 1 else 0o755)
+            os.mkdir(directory, mode if directory is missing[0] else 0o755)
 
 
 def _safe_parts(name: str) -> tuple[str, ...] | None:
@@ -193,33 +181,27 @@ def _safe_parts(name: str) -> tuple[str, ...] | None:
     if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
         return None
     parts = PurePosixPath(name).parts
-    if not parts or any(part in ("..", ".") for part in parts):
-        return None
-    return parts
+    return None if not parts or ".." in parts or "." in parts else parts
 
 
-def _trust_problem(st: os.stat_result) -> str | None:
-    uid = os.geteuid()
+def _trust_error(path: Path, st: os.stat_result) -> UntrustedCacheError | None:
+    mode, uid = stat.S_IMODE(st.st_mode), os.geteuid()
     if st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not by the current uid {uid}"
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
+        problem = f"owned by uid {st.st_uid}, not by the current uid {uid}"
+    elif mode & 0o022:
         who = " and ".join(w for w, bit in (("group", 0o020), ("world", 0o002)) if mode & bit)
-        return f"{who}-writable (mode {mode:#o})"
-    return None
-
-
-def _untrusted(path: Path, problem: str) -> UntrustedCacheError:
+        problem = f"{who}-writable (mode {mode:#o})"
+    else:
+        return None
     return UntrustedCacheError(
         f"refusing to use fa4gen kernel cache path {path}: it is {problem}. Cached kernels are "
         f"shared objects whose code runs when loaded, so only you may be able to write the cache. "
-        f"Fix: `chmod go-w {path}` (and `chown {os.geteuid()} {path}` if it is not yours), or set "
-        f"{TRUSTED_ENV}=1 (or pass trusted=True) for a shared read-only cache you trust."
-    )
+        f"Fix: `chmod go-w {path}` (and `chown {uid} {path}` if it is not yours), or set "
+        f"{TRUSTED_ENV}=1 (or pass trusted=True) for a shared read-only cache you trust.")
 
 
 def _doc_problem(doc: Any, key: str) -> str | None:
-    """What is wrong with a parsed meta.json for `key`, or None."""
+    """What is wrong with a parsed meta.json of entry `key`, or None."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
         return f"{META_NAME} is not in cache format {FORMAT_VERSION}"
     if doc.get("key") != key:
@@ -240,14 +222,13 @@ def _doc_problem(doc: Any, key: str) -> str | None:
 
 
 def _collect(top: Path) -> tuple[dict[str, str], int]:
-    """Hash every file a build wrote under `top`, dropping group/world write and exec bits."""
+    """sha256 of every file a build wrote under `top`; drops group/world write and exec bits."""
     files: dict[str, str] = {}
     size = 0
     for dirpath, dirnames, filenames in os.walk(top):
         for name in dirnames + filenames:
             path = Path(dirpath, name)
-            st = os.lstat(path)
-            rel = path.relative_to(top).as_posix()
+            st, rel = os.lstat(path), path.relative_to(top).as_posix()
             if stat.S_ISDIR(st.st_mode):
                 os.chmod(path, stat.S_IMODE(st.st_mode) & 0o755)
                 continue
@@ -257,17 +238,18 @@ def _collect(top: Path) -> tuple[dict[str, str], int]:
             if rel == META_NAME or _safe_parts(rel) is None:
                 raise CacheError(f"build wrote {rel!r}: that name is reserved or unsafe")
             os.chmod(path, stat.S_IMODE(st.st_mode) & 0o644)
-            files[rel] = _sha256_file(path)
-            size += st.st_size
+            files[rel], size = _sha256_file(path), size + st.st_size
     if not files:
         raise CacheError(f"build wrote no files into {top}")
     return dict(sorted(files.items())), size
 
 
-def _remember_verified(signature: tuple) -> None:
-    if len(_VERIFIED) >= _VERIFIED_MAX:
-        _VERIFIED.clear()
-    _VERIFIED[signature] = None
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, current = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
 class KernelCache:
@@ -283,18 +265,15 @@ class KernelCache:
         if trusted is None:
             trusted = os.environ.get(TRUSTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         self.trusted = bool(trusted)
-        self._entries = self.root / "entries"
-        self._locks = self.root / "locks"
-        self._tmp = self.root / "tmp"
-        self._index_dir = self.root / "index"
+        self._entries, self._locks = self.root / "entries", self.root / "locks"
+        self._tmp, self._index_dir = self.root / "tmp", self.root / "index"
         self._index: Any = None
         self._index_unusable = False
         if not os.path.isdir(self.root):
             _mkdirs(self.root, 0o700)
-        self._check_trust()
-
-    def __repr__(self) -> str:
-        return f"KernelCache({str(self.root)!r}, size_limit={self.size_limit})"
+        for path in (self.root, self._entries, self._index_dir):
+            with contextlib.suppress(FileNotFoundError):
+                self._check_path(path, os.stat(path))
 
     def __enter__(self) -> KernelCache:
         return self
@@ -309,7 +288,6 @@ class KernelCache:
                 self._index.close()
             self._index = None
 
-    # ----------------------------------------------------------------- public API
     def lookup(self, key: str) -> CacheEntry | None:
         """The verified entry for `key`, or None if missing or broken (broken ones are removed)."""
         return self._lookup(_check_key(key), locked=False)
@@ -317,9 +295,8 @@ class KernelCache:
     def get_or_build(self, key: str, meta: dict, build: Callable[[Path], None], *,
                      no_compile: bool = False, miss_message: str = "") -> tuple[CacheEntry, bool]:
         """(entry, built_now): the cached entry, calling build(tmpdir) once across processes."""
-        _check_key(key)
         meta = _check_meta(meta)
-        entry = self._lookup(key, locked=False)
+        entry = self.lookup(key)
         if entry is not None:
             return entry, False
         if no_compile:
@@ -337,7 +314,7 @@ class KernelCache:
         return entry, True
 
     def entries(self) -> list[CacheEntry]:
-        """Every entry whose meta.json parses (not hash-verified), most recently used first."""
+        """Every entry whose meta.json parses (not re-hashed), most recently used first."""
         result = []
         for key in self._keys():
             meta, _ = self._read_meta(self._entries / key, key)
@@ -348,8 +325,7 @@ class KernelCache:
             with contextlib.suppress(TypeError, ValueError, KeyError):
                 meta["last_use"] = float(json.loads(recorded)["last_use"])
             result.append(CacheEntry(key, self._entries / key, meta))
-        result.sort(key=lambda e: e.meta["last_use"], reverse=True)
-        return result
+        return sorted(result, key=lambda e: e.meta["last_use"], reverse=True)
 
     def verify(self) -> list[tuple[str, str | None]]:
         """(key, problem or None) for every entry directory, re-hashing every file."""
@@ -373,12 +349,11 @@ class KernelCache:
         removed = 0
         for key in keys:
             with self._locked(key):
-                if os.path.lexists(self._entries / key) and self._remove_locked(key):
-                    removed += 1
+                removed += os.path.lexists(self._entries / key) and self._remove_locked(key)
         return removed
 
     def export(self, archive: Path) -> int:
-        """Write every verified entry to the tar.gz `archive`; returns how many."""
+        """Write every verified entry into the tar.gz `archive`; returns how many."""
         import tarfile
 
         archive = Path(archive)
@@ -388,14 +363,13 @@ class KernelCache:
             with tarfile.open(partial, "w:gz") as tar:
                 for key in self._keys():
                     entry, problem = self._load(key)
-                    if entry is None:
-                        if problem is not None:
-                            warnings.warn(f"fa4gen cache: not exporting broken entry {key}: "
-                                          f"{problem}", CacheCorruptionWarning, stacklevel=2)
-                        continue
-                    for name in [*entry.meta["files"], META_NAME]:
-                        _add_to_tar(tar, entry.path / name, f"{key}/{name}")
-                    count += 1
+                    if problem is not None:
+                        warnings.warn(f"fa4gen cache: not exporting broken entry {key}: "
+                                      f"{problem}", CacheCorruptionWarning, stacklevel=2)
+                    if entry is not None:
+                        for name in [*entry.meta["files"], META_NAME]:
+                            _add_to_tar(tar, entry.path / name, f"{key}/{name}")
+                        count += 1
             os.replace(partial, archive)
         except BaseException as exc:
             with contextlib.suppress(OSError):
@@ -406,7 +380,7 @@ class KernelCache:
         return count
 
     def import_(self, archive: Path) -> int:
-        """Add the verified entries of a tar.gz from export(); returns how many were added."""
+        """Add the verified entries of a tar.gz made by export(); returns how many were added."""
         self._ensure_dirs()
         work = None
         try:
@@ -415,7 +389,7 @@ class KernelCache:
             imported = [key for key in sorted(keys) if self._adopt(key, work / key)]
         except BaseException as exc:
             if _is_disk_full(exc):
-                raise self._full_error(f"entries imported from {archive}", self._tmp, exc) from exc
+                raise self._full_error(f"entries from {archive}", self._tmp, exc) from exc
             raise
         finally:
             if work is not None:
@@ -424,24 +398,11 @@ class KernelCache:
             self._evict(keep=set(imported))
         return len(imported)
 
-    # ----------------------------------------------------------------- verification
-    def _check_trust(self) -> None:
-        if self.trusted:
-            return
-        for path in (self.root, self._entries, self._index_dir):
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                continue
-            problem = _trust_problem(st)
-            if problem is not None:
-                raise _untrusted(path, problem)
-
+    # -------------------------------------------------------------------- verification
     def _check_path(self, path: Path, st: os.stat_result) -> None:
-        if not self.trusted:
-            problem = _trust_problem(st)
-            if problem is not None:
-                raise _untrusted(path, problem)
+        error = None if self.trusted else _trust_error(path, st)
+        if error is not None:
+            raise error
 
     def _read_meta(self, directory: Path, key: str) -> tuple[dict | None, str | None]:
         """(meta, None), or (None, problem), or (None, None) when there is no such entry."""
@@ -461,7 +422,7 @@ class KernelCache:
         return (None, problem) if problem else (doc["meta"], None)
 
     def _verify_files(self, directory: Path, files: dict[str, str], force: bool) -> str | None:
-        """What is wrong with the listed files (hashes memoised per process by stat), or None."""
+        """What is wrong with the listed files, or None; hashes are memoised by file stats."""
         self._check_path(directory, os.stat(directory))
         signature: list[Any] = [str(directory)]
         for name, digest in sorted(files.items()):
@@ -483,12 +444,13 @@ class KernelCache:
             except OSError as exc:
                 return f"cannot read {name!r} ({exc.strerror})"
             if actual != digest:
-                return (f"sha256 of {name!r} is {actual[:16]}..., expected {digest[:16]}... "
-                        f"(modified or truncated)")
-        # Only memoise files older than the timestamp granularity: a write landing in the same
-        # clock tick as the original would otherwise keep (size, mtime) and go unnoticed.
+                return f"sha256 of {name!r} is {actual[:16]}..., expected {digest[:16]}..."
+        # Memoise only files older than the clock granularity: a write within the same tick as
+        # the original keeps (size, mtime) unchanged and would otherwise go unnoticed.
         if all(item[3] < started - _RACY_NS for item in signature[1:]):
-            _remember_verified(memo_key)
+            if len(_VERIFIED) >= _VERIFIED_MAX:
+                _VERIFIED.clear()
+            _VERIFIED[memo_key] = None
         return None
 
     def _load(self, key: str, *, force: bool = False) -> tuple[CacheEntry | None, str | None]:
@@ -506,8 +468,7 @@ class KernelCache:
         entry, problem = self._load(key)
         if problem is not None:
             self._discard_broken(key, problem, locked=locked)
-            return None
-        if entry is not None:
+        elif entry is not None:
             self._touch(entry)
         return entry
 
@@ -524,7 +485,7 @@ class KernelCache:
                       f"{action}", CacheCorruptionWarning, stacklevel=4)
         log.warning("fa4gen cache entry %s is broken: %s; %s", key, problem, action)
 
-    # ----------------------------------------------------------------- writing
+    # -------------------------------------------------------------------- writing
     def _build(self, key: str, meta: dict, build: Callable[[Path], None]) -> CacheEntry:
         tmp = None
         try:
@@ -534,8 +495,7 @@ class KernelCache:
             full = {**meta, "files": files, "created": time.time(), "size": size}
             _write_json(tmp / META_NAME, {"format": FORMAT_VERSION, "key": key, "meta": full})
             dest = self._entries / key
-            if os.path.lexists(dest):
-                self._discard(dest)
+            self._discard(dest)  # a broken leftover: we hold the lock and it did not verify
             os.rename(tmp, dest)
         except BaseException as exc:
             if tmp is not None:
@@ -558,11 +518,9 @@ class KernelCache:
         with self._locked(key):
             if self._load(key)[0] is not None:
                 return False
-            dest = self._entries / key
-            if os.path.lexists(dest):
-                self._discard(dest)
-            os.rename(staged, dest)
-            self._touch(CacheEntry(key, dest, meta))
+            self._discard(self._entries / key)
+            os.rename(staged, self._entries / key)
+            self._touch(CacheEntry(key, self._entries / key, meta))
         return True
 
     def _ensure_dirs(self) -> None:
@@ -583,15 +541,14 @@ class KernelCache:
                 return path
 
     def _sweep_tmp(self, key: str) -> None:
-        """Remove staging left by dead processes. Caller holds the lock of `key`, so any build
+        """Remove staging left by dead processes. The caller holds the lock of `key`, so a build
         directory of that key belongs to a builder that died holding it."""
         now = time.time()
         with contextlib.suppress(OSError), os.scandir(self._tmp) as children:
             for child in children:
                 stale = child.name.startswith((f"{key}.", "trash-"))
                 if child.name.startswith("import."):
-                    with contextlib.suppress(OSError):
-                        stale = now - child.stat(follow_symlinks=False).st_mtime > _STALE_IMPORT_S
+                    stale = now - child.stat(follow_symlinks=False).st_mtime > _STALE_IMPORT_S
                 if stale:
                     _rmtree(Path(child.path))
 
@@ -603,19 +560,17 @@ class KernelCache:
         return CacheFullError(
             f"disk full while writing {what} in {where} ({exc}); {free} is free on that "
             f"filesystem and nothing was kept. Free some space (`fa4gen cache clear`), lower "
-            f"{SIZE_LIMIT_ENV}, or set {DEFAULT_ENV} to a directory on a larger filesystem."
-        )
+            f"{SIZE_LIMIT_ENV}, or set {DEFAULT_ENV} to a directory on a larger filesystem.")
 
-    # ----------------------------------------------------------------- removal and eviction
+    # -------------------------------------------------------------------- removal, eviction
     def _keys(self) -> list[str]:
         try:
-            names = os.listdir(self._entries)
+            return sorted(name for name in os.listdir(self._entries) if _KEY_RE.fullmatch(name))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(name for name in names if _KEY_RE.fullmatch(name))
 
     def _discard(self, path: Path) -> bool:
-        """Remove an entry directory: first renamed away (atomic for readers), then deleted."""
+        """Remove an entry directory: renamed away first (atomic for readers), then deleted."""
         if not os.path.lexists(path):
             return True
         trash = self._tmp / f"trash-{secrets.token_hex(8)}"
@@ -627,18 +582,18 @@ class KernelCache:
         return not os.path.lexists(path)
 
     def _remove_locked(self, key: str) -> bool:
-        """Remove entry, index record and lock file of `key`; the caller holds its lock."""
+        """Remove the entry, index record and lock file of `key`; the caller holds its lock."""
         removed = self._discard(self._entries / key)
         self._index_call(lambda index: index.delete(key))
         with contextlib.suppress(OSError):
-            os.unlink(self._locks / f"{key}.lock")  # waiters notice and re-open (see _acquire)
+            os.unlink(self._locks / f"{key}.lock")  # waiters notice and re-open (_locked)
         return removed
 
     def _evict(self, keep: set[str]) -> None:
         """Remove least-recently-used entries (never `keep`, never locked ones) to fit the limit."""
         listed = self.entries()
         total = sum(entry.meta["size"] for entry in listed)
-        for entry in sorted(listed, key=lambda e: e.meta["last_use"]):
+        for entry in reversed(listed):
             if total <= self.size_limit:
                 break
             if entry.key in keep:
@@ -649,35 +604,24 @@ class KernelCache:
                     log.info("fa4gen cache: evicted %s (%d bytes) to stay under %d bytes",
                              entry.key, entry.meta["size"], self.size_limit)
 
-    # ----------------------------------------------------------------- locks and index
-    def _acquire(self, key: str, blocking: bool) -> int | None:
-        """fd holding the flock of `key`, or None if non-blocking and taken. The OS drops the
-        lock when the process dies, so a killed build never leaves a stale lock behind."""
+    # -------------------------------------------------------------------- locks and index
+    @contextlib.contextmanager
+    def _locked(self, key: str, *, blocking: bool = True) -> Iterator[bool]:
+        """Hold the flock of `key`; yields False when it is taken and blocking is False. The OS
+        drops the lock when its holder dies, so a killed build never leaves a stale lock."""
         path = self._locks / f"{key}.lock"
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                held, current = os.fstat(fd), os.stat(path)
-                if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
-                    return fd
-            except BlockingIOError:
-                os.close(fd)
-                return None
-            except FileNotFoundError:
-                pass  # the lock file was removed with its entry while we waited: retry
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _locked(self, key: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = self._acquire(key, blocking)
-        try:
-            yield fd is not None
-        finally:
-            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                    got: bool | None = True
+                except BlockingIOError:
+                    got = False
+                if got is not None:  # None: the file was unlinked with its entry; open anew
+                    yield got
+                    return
+            finally:
                 os.close(fd)
 
     def _touch(self, entry: CacheEntry) -> None:
@@ -686,7 +630,7 @@ class KernelCache:
         self._index_call(lambda index: index.set(entry.key, record))
 
     def _index_call(self, op: Callable[[Any], Any]) -> Any:
-        """op(index), or None when the index cannot be used: it is advisory, never fatal."""
+        """op(index), or None when the index is unusable: it is advisory, never fatal."""
         for attempt in (0, 1):
             index = self._open_index()
             if index is None:
@@ -701,38 +645,30 @@ class KernelCache:
         return None
 
     def _open_index(self) -> Any:
-        if self._index is not None or self._index_unusable:
-            return self._index
-        import diskcache
+        if self._index is None and not self._index_unusable:
+            import diskcache
 
-        for attempt in (0, 1):
-            try:
-                self._index = diskcache.Cache(str(self._index_dir), timeout=10,
-                                              eviction_policy="none")
-                return self._index
-            except sqlite3.DatabaseError as exc:
-                corrupt = type(exc) is sqlite3.DatabaseError  # "file is not a database"
-                if corrupt and attempt == 0:
-                    log.warning("fa4gen cache index %s is corrupt (%s); recreating it",
-                                self._index_dir, exc)
-                    _rmtree(self._index_dir)
-                    continue
-                failure: Exception = exc
-            except OSError as exc:
-                failure = exc
-            break
-        log.info("fa4gen cache index %s unusable (%s); last-use tracking is off",
-                 self._index_dir, failure)
-        self._index_unusable = True
-        return None
+            for attempt in (0, 1):
+                try:
+                    self._index = diskcache.Cache(str(self._index_dir), timeout=10,
+                                                  eviction_policy="none")
+                    break
+                except (sqlite3.Error, OSError) as exc:
+                    if attempt == 0 and type(exc) is sqlite3.DatabaseError:  # not a database
+                        log.warning("fa4gen cache index %s is corrupt; recreating it",
+                                    self._index_dir)
+                        _rmtree(self._index_dir)
+                        continue
+                    log.info("fa4gen cache index %s unusable (%s); last-use tracking is off",
+                             self._index_dir, exc)
+                    self._index_unusable = True
+        return self._index
 
 
 def _unlisted(directory: Path, files: dict[str, str]) -> str | None:
-    expected = set(files) | {META_NAME}
-    found = set()
-    for dirpath, _, filenames in os.walk(directory):
-        found.update(Path(dirpath, n).relative_to(directory).as_posix() for n in filenames)
-    extra = sorted(found - expected)
+    found = {Path(dirpath, name).relative_to(directory).as_posix()
+             for dirpath, _, names in os.walk(directory) for name in names}
+    extra = sorted(found - set(files) - {META_NAME})
     return f"it holds files its {META_NAME} does not list: {extra}" if extra else None
 
 
@@ -740,14 +676,13 @@ def _add_to_tar(tar: Any, path: Path, arcname: str) -> None:
     import tarfile
 
     with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        info = tarfile.TarInfo(arcname)
-        info.size, info.mtime, info.mode = st.st_size, int(st.st_mtime), 0o644
+        info = tarfile.TarInfo(arcname)  # owner 0, no absolute paths, no host details
+        info.size, info.mtime, info.mode = os.fstat(f.fileno()).st_size, int(time.time()), 0o644
         tar.addfile(info, f)
 
 
 def _member_parts(member: Any, archive: Path) -> tuple[str, ...]:
-    """Path components of a tar member, refusing anything that could escape or is not a file."""
+    """Path components of a tar member; refuses anything that could escape or is not a file."""
     parts = _safe_parts(member.name)
     if parts is None:
         raise CacheError(f"refusing to import {archive}: member {member.name!r} is an absolute "
@@ -757,13 +692,13 @@ def _member_parts(member: Any, archive: Path) -> tuple[str, ...]:
         raise CacheError(f"refusing to import {archive}: member {member.name!r} is a {kind}; "
                          f"only regular files and directories are allowed")
     if not _KEY_RE.fullmatch(parts[0]) or (member.isfile() and len(parts) < 2):
-        raise CacheError(f"refusing to import {archive}: member {member.name!r} is not inside a "
-                         f"<key>/ directory, so this is not an fa4gen cache archive")
+        raise CacheError(f"refusing to import {archive}: member {member.name!r} is not inside "
+                         f"a <key>/ directory, so this is not an fa4gen cache archive")
     return parts
 
 
 def _extract(archive: Path, work: Path) -> set[str]:
-    """Safely unpack `archive` under `work`; returns the keys it holds."""
+    """Unpack `archive` under `work`, writing every file ourselves; returns the keys it holds."""
     import gzip
     import tarfile
     import zlib
@@ -776,16 +711,13 @@ def _extract(archive: Path, work: Path) -> set[str]:
                 parts = _member_parts(member, archive)
                 keys.add(parts[0])
                 target = work.joinpath(*parts)
-                if member.isdir():
-                    _mkdirs(target, 0o755)
-                    continue
-                _mkdirs(target.parent, 0o755)
-                source = tar.extractfile(member)
-                with source, open(os.open(target, flags, 0o644), "wb") as out:
-                    shutil.copyfileobj(source, out)
+                _mkdirs(target if member.isdir() else target.parent, 0o755)
+                if member.isfile():
+                    with tar.extractfile(member) as src, open(os.open(target, flags, 0o644),
+                                                              "wb") as out:
+                        shutil.copyfileobj(src, out)
     except FileExistsError as exc:
         raise CacheError(f"refusing to import {archive}: duplicate member {exc.filename}") from exc
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise CacheError(f"cannot read cache archive {archive}: {exc}") from exc
     return keys
-

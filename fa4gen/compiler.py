@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fa4gen.emit import EmittedKernel
+from fa4gen.emitter import EmittedKernel
 from fa4gen.planner import Plan
 from fa4gen.spec import AttentionSpec, dump_spec
 

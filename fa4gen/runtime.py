@@ -69,20 +69,27 @@ class AttentionKernel:
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, *, out=None, lse=None):
+        """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs."""
         import torch
 
+        if lse is not None and not self.spec.return_lse:
+            raise ValueError("lse= was given, but the spec was compiled without return_lse")
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
-        o = torch.empty((batch, seqlen_q, heads_q, self.spec.dv), dtype=q.dtype, device=q.device)
-        if seqlen_q == 0 or batch == 0 or heads_q == 0:
-            lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-            return (o, lse) if self.spec.return_lse else o
+        o_shape = (batch, seqlen_q, heads_q, self.spec.dv)
+        if out is None:
+            out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        else:
+            _check_output("out", out, o_shape, q.dtype, q.device)
+        lse_shape = (batch, heads_q, seqlen_q)
         if self.spec.return_lse:
-            lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-            self._function(q, k, v, o, lse)
-            return o, lse
-        self._function(q, k, v, o, None)
-        return o
+            if lse is None:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            else:
+                _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        if out.numel() > 0:
+            self._function(q, k, v, out, lse)
+        return (out, lse) if self.spec.return_lse else out
 
 
 def _torch_dtype(name: str):
@@ -100,18 +107,34 @@ def _check_tensor(name: str, t: Any, spec: AttentionSpec, last_dim: int) -> None
         raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     if t.dtype != _torch_dtype(spec.dtype):
         raise ValueError(f"{name} has dtype {t.dtype}, but the spec is compiled for torch.{spec.dtype}")
-    if not t.is_cuda:
-        raise ValueError(f"{name} is on {t.device}; fa4gen kernels need CUDA tensors")
     if t.shape[-1] != last_dim:
         raise ValueError(f"{name} has head dim {t.shape[-1]}, the spec needs {last_dim}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}")
+    _check_alignment(name, t)
+
+
+def _check_alignment(name: str, t: Any) -> None:
     elems = TENSOR_ALIGN_BYTES // t.element_size()
-    if t.data_ptr() % TENSOR_ALIGN_BYTES or any(s % elems for s in t.stride()[:3]):
+    if t.data_ptr() % TENSOR_ALIGN_BYTES or any(s % elems for s in t.stride()[:-1]):
         raise ValueError(
             f"{name} needs a {TENSOR_ALIGN_BYTES}-byte aligned base and strides that are multiples of "
             f"{elems} elements (got strides {t.stride()}); call .contiguous() first"
         )
+
+
+def _check_output(name: str, t: Any, shape: tuple, dtype: Any, device: Any) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a tensor of shape {shape} and dtype {dtype}, got {got}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the inputs are on {device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim")
+    if t.element_size() < 4:  # half-precision outputs share the inputs' 16-byte contract
+        _check_alignment(name, t)
 
 
 def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
@@ -119,8 +142,6 @@ def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
     _check_tensor("q", q, spec, spec.head_dim)
     _check_tensor("k", k, spec, spec.head_dim)
     _check_tensor("v", v, spec, spec.dv)
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
@@ -134,4 +155,9 @@ def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
         )
     if k.shape[1] == 0 and q.shape[1] > 0:
         raise ValueError("k and v have seqlen 0: every query needs at least one key")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} is on {t.device}; fa4gen kernels need CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     return q.shape[0], q.shape[1], q.shape[2]

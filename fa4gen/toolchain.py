@@ -48,18 +48,25 @@ def package_root() -> Path:
     return Path(__file__).resolve().parent
 
 
+# Host-side modules that never shape an artifact: editing them must not invalidate caches.
+# Everything else in the package (spec, planner, emitter, compiler, kernels/, and any module
+# added later) is part of the fingerprint, so the default is to invalidate.
+HOST_ONLY_MODULES = frozenset({"cli.py", "cache.py", "runtime.py", "api.py", "testing.py", "bench.py"})
+
+
 @lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """sha256 over fa4gen's Python sources and kernel templates (relative names + contents)."""
-    from fa4gen.emit import templates_dir
+    """sha256 over the fa4gen sources that produce artifacts, and the kernel templates."""
+    from fa4gen.emitter import templates_dir
 
     digest = hashlib.sha256(__version__.encode())
     roots = [("fa4gen", package_root(), "*.py"), ("templates", templates_dir(), "*.jinja")]
     for label, root, pattern in roots:
         for path in sorted(root.rglob(pattern)):
-            if "__pycache__" in path.parts:
+            relative = path.relative_to(root)
+            if "__pycache__" in path.parts or (label == "fa4gen" and relative.as_posix() in HOST_ONLY_MODULES):
                 continue
-            digest.update(f"{label}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(f"{label}/{relative.as_posix()}\0".encode())
             digest.update(path.read_bytes())
             digest.update(b"\0")
     return digest.hexdigest()

@@ -47,10 +47,10 @@ class OnlineSoftmax:
             if new_max == -Float32.inf:
                 safe_max = Float32(0.0)
             max_scaled = safe_max * scale
-            correction = cute.arch.exp2(prev_max * scale - max_scaled)
+            correction = cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
             row_max[r] = new_max
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-                scores_mn[r, c] = cute.arch.exp2(scores_mn[r, c] * scale - max_scaled)
+                scores_mn[r, c] = cute.math.exp2(scores_mn[r, c] * scale - max_scaled, fastmath=True)
             tile_sum = scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             row_sum[r] = row_sum[r] * correction + tile_sum
             for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):

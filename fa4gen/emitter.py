@@ -11,7 +11,6 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-import jinja2
 from pydantic import BaseModel, ConfigDict
 
 from fa4gen import __version__
@@ -57,7 +56,9 @@ def _float_literal(value: float) -> str:
 
 
 @lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def _environment():
+    import jinja2  # deferred: a cache hit never renders
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,

@@ -1,0 +1,126 @@
+"""The four stages end to end: plan, emit, compile (or hit the cache), load.
+
+``build`` produces (or finds) an artifact for any supported arch on any machine, GPU or not;
+``compile`` builds for the current GPU (or the arch given) and loads the callable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fa4gen import __version__
+from fa4gen.arch import Arch, detect_arch, require_supported
+from fa4gen.cache import CacheEntry, KernelCache, make_key
+from fa4gen.emitter import emit
+from fa4gen.planner import Plan, plan
+from fa4gen.runtime import AttentionKernel, load_function
+from fa4gen.spec import AttentionSpec
+from fa4gen.toolchain import source_fingerprint, toolchain
+
+NO_COMPILE_ENV = "FA4GEN_NO_COMPILE"
+BUILD_INFO_FILE = "build.json"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    spec: AttentionSpec
+    plan: Plan
+    key: str
+    entry: CacheEntry
+    built_now: bool
+
+
+def cache_key_parts(spec: AttentionSpec, kernel_plan: Plan, arch: Arch) -> dict[str, Any]:
+    """Everything an artifact depends on, and nothing else (no paths, hosts, users or times)."""
+    return {
+        "spec": spec.canonical(),
+        "plan": kernel_plan.model_dump(),
+        "arch": arch.value,
+        "fa4gen": {"version": __version__, "sources": source_fingerprint()},
+        "toolchain": toolchain(),
+    }
+
+
+def _no_compile_default() -> bool:
+    return os.environ.get(NO_COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _miss_message(spec: AttentionSpec, arch: Arch, cache: KernelCache) -> str:
+    return (
+        f"no cached kernel for spec ({spec.summary()}) on {arch.value} in {cache.root}, and compiling "
+        f"is disabled ({NO_COMPILE_ENV}=1 or no_compile=True). Warm the cache where the spec lives, "
+        f"e.g. `fa4gen warm specs/ --arch {arch.value}`, and ship that cache directory here."
+    )
+
+
+def build(
+    spec: AttentionSpec,
+    arch: Arch | str = Arch.SM90A,
+    *,
+    cache_dir: str | Path | None = None,
+    no_compile: bool | None = None,
+    cache: KernelCache | None = None,
+) -> BuildResult:
+    """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there."""
+    target = require_supported(arch)
+    kernel_plan = plan(spec, target)
+    cache = cache or KernelCache(cache_dir)
+    key = make_key(cache_key_parts(spec, kernel_plan, target))
+    meta = {
+        "spec": spec.canonical(),
+        "summary": spec.summary(),
+        "arch": target.value,
+        "kernel": kernel_plan.kernel,
+        "fa4gen_version": __version__,
+        "toolchain": toolchain(),
+    }
+
+    def produce(out_dir: Path) -> None:
+        from fa4gen.compiler import build_artifact
+
+        emitted = emit(spec, kernel_plan, module_name=f"fa4gen_kernel_{key[:16]}")
+        info = build_artifact(spec, kernel_plan, emitted, out_dir)
+        (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, sort_keys=True))
+
+    refuse = _no_compile_default() if no_compile is None else no_compile
+    entry, built_now = cache.get_or_build(
+        key, meta, produce, no_compile=refuse, miss_message=_miss_message(spec, target, cache)
+    )
+    return BuildResult(spec=spec, plan=kernel_plan, key=key, entry=entry, built_now=built_now)
+
+
+_loaded: dict[tuple[str, str], AttentionKernel] = {}
+_loaded_lock = threading.Lock()
+
+
+def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
+    spec: AttentionSpec,
+    *,
+    arch: Arch | str | None = None,
+    cache_dir: str | Path | None = None,
+    no_compile: bool | None = None,
+) -> AttentionKernel:
+    """A callable for ``spec`` on the current GPU: ``o = fa4gen.compile(spec)(q, k, v)``.
+
+    Compiles on first use and caches on disk (``FA4GEN_CACHE_DIR``); later processes load the
+    artifact in milliseconds. With ``no_compile`` (or ``FA4GEN_NO_COMPILE=1``) a cache miss raises
+    ``fa4gen.CacheMiss`` instead of compiling.
+    """
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
+    target = Arch.parse(arch) if arch is not None else detect_arch()
+    cache = KernelCache(cache_dir)
+    result = build(spec, target, no_compile=no_compile, cache=cache)
+    memo_key = (result.key, str(cache.root))
+    with _loaded_lock:
+        kernel = _loaded.get(memo_key)
+        if kernel is None:
+            function = load_function(result.entry.path, result.entry.meta.get("toolchain", toolchain())["cuda"])
+            kernel = AttentionKernel(spec, result.plan, function, key=result.key, path=result.entry.path)
+            _loaded[memo_key] = kernel
+    return kernel

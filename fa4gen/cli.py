@@ -1,0 +1,481 @@
+"""The ``fa4gen`` command line: every compiler stage, the kernel cache, and cache warming.
+
+    fa4gen plan spec.yaml --arch sm_90a          the schedule and the reason for each choice
+    fa4gen emit spec.yaml -o kernel.py           the generated CuTe-DSL source
+    fa4gen compile spec.yaml --arch sm_90a       build into the cache (or find it there)
+    fa4gen warm specs/ --arch sm_90a -j 4        build every spec under a directory, in parallel
+    fa4gen cache ls | verify | clear | export | import
+
+``--cache-dir`` may be given before the command (global) or after it; it defaults to
+``$FA4GEN_CACHE_DIR``, then ``$XDG_CACHE_HOME/fa4gen``, then ``~/.cache/fa4gen``.
+Expected failures (a bad spec, an unsupported arch, a cache problem) print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import re
+import time
+import warnings
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+import yaml
+from pydantic import ValidationError
+
+import fa4gen
+from fa4gen.api import BUILD_INFO_FILE
+from fa4gen.arch import Arch, UnsupportedArchError
+from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, KernelCache, default_cache_root
+from fa4gen.compiler import CompileError
+from fa4gen.spec import load_spec
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Failures a user can fix: reported as one line, never with a traceback.
+_EXPECTED_ERRORS = (ValidationError, yaml.YAMLError, ValueError, UnsupportedArchError, CacheError,
+                    CompileError, OSError)
+
+app = typer.Typer(
+    name="fa4gen",
+    help="JIT kernel-generation compiler for attention variants (CuTe DSL).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+cache_app = typer.Typer(help="Inspect and manage the on-disk kernel cache.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+CacheDirOption = Annotated[
+    Optional[Path],
+    typer.Option("--cache-dir", help="Kernel cache directory [default: $FA4GEN_CACHE_DIR or ~/.cache/fa4gen]",
+                 file_okay=False, show_default=False),
+]
+SpecArgument = Annotated[Path, typer.Argument(help="Spec YAML file.", dir_okay=False, show_default=False)]
+ArchOption = Annotated[str, typer.Option("--arch", help="Target architecture, e.g. sm_90a.")]
+
+
+# ----------------------------------------------------------------------------- helpers
+def describe_error(exc: BaseException) -> str:
+    """One line naming what went wrong; pydantic errors list each bad field and why."""
+    if isinstance(exc, ValidationError):
+        problems = []
+        for error in exc.errors(include_url=False):
+            field = ".".join(str(part) for part in error["loc"]) or "spec"
+            problems.append(f"{field}: {error['msg']}")
+        return "invalid spec: " + "; ".join(problems)
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    text = describe_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+@contextlib.contextmanager
+def _reporting_errors() -> Iterator[None]:
+    """Turn expected failures into ``error: ...`` and exit 1; cache warnings into one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheCorruptionWarning)
+        try:
+            yield
+        except _EXPECTED_ERRORS as exc:
+            _flush_warnings(caught)
+            typer.echo(f"error: {describe_error(exc)}", err=True)
+            raise typer.Exit(1) from None
+    _flush_warnings(caught)
+
+
+def _flush_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for item in caught:
+        if issubclass(item.category, CacheCorruptionWarning):
+            typer.echo(f"warning: {item.message}", err=True)
+        else:
+            warnings.showwarning(item.message, item.category, item.filename, item.lineno)
+    caught.clear()
+
+
+def _cache_root(ctx: typer.Context, cache_dir: Path | None) -> Path:
+    """The command's --cache-dir, else the global one, else the default root."""
+    if cache_dir is not None:
+        return cache_dir
+    root = (ctx.obj or {}).get("cache_dir")
+    return root if root is not None else default_cache_root()
+
+
+def human_size(size: int) -> str:
+    """Bytes in binary units: 512 B, 163.0 KiB, 2.5 GiB."""
+    if size < 1024:
+        return f"{size} B"
+    value = float(size)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _age(timestamp: float, now: float) -> str:
+    seconds = max(0.0, now - timestamp)
+    for unit, width in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= width:
+            return f"{int(seconds // width)}{unit} ago"
+    return "just now"
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as 45s, 30m, 12h, 7d or 2w."""
+    match = _DURATION_RE.fullmatch(text.strip())
+    if match is None:
+        raise typer.BadParameter(f"{text!r} is not a duration: use a number and a unit, e.g. 30m, 12h, 7d",
+                                 param_hint="'--older-than'")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+# ----------------------------------------------------------------------------- top level
+@app.callback()
+def _global_options(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
+    """JIT kernel-generation compiler for attention variants (CuTe DSL)."""
+    ctx.obj = {"cache_dir": cache_dir}
+
+
+@app.command("compile")
+def compile_command(
+    ctx: typer.Context,
+    spec_file: SpecArgument,
+    arch: ArchOption = Arch.SM90A.value,
+    no_compile: Annotated[bool, typer.Option("--no-compile", help="Fail on a cache miss instead of compiling.")] = False,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Build a spec into the kernel cache (or find it there); print the plan and the entry."""
+    with _reporting_errors():
+        spec = load_spec(spec_file)
+        started = time.perf_counter()
+        result = fa4gen.build(spec, arch, cache_dir=_cache_root(ctx, cache_dir), no_compile=no_compile or None)
+        elapsed = time.perf_counter() - started
+    typer.echo(result.plan.describe())
+    typer.echo("")
+    typer.echo(f"key     {result.key}")
+    typer.echo(f"path    {result.entry.path}")
+    typer.echo(f"status  {_build_status(result.entry, result.built_now, elapsed)}")
+    typer.echo(f"size    {human_size(result.entry.meta.get('size', 0))}")
+
+
+def _build_status(entry: CacheEntry, built_now: bool, elapsed: float) -> str:
+    if not built_now:
+        return "cache hit"
+    seconds = elapsed
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        seconds = float(json.loads((entry.path / BUILD_INFO_FILE).read_text())["compile_seconds"])
+    return f"compiled in {seconds:.1f} s"
+
+
+@app.command("plan")
+def plan_command(
+    spec_file: SpecArgument,
+    arch: ArchOption = Arch.SM90A.value,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show the tile/pipeline schedule for a spec and the reason behind each choice."""
+    with _reporting_errors():
+        kernel_plan = fa4gen.plan(load_spec(spec_file), arch)
+    typer.echo(kernel_plan.model_dump_json(indent=2) if as_json else kernel_plan.describe())
+
+
+@app.command("emit")
+def emit_command(
+    spec_file: SpecArgument,
+    arch: ArchOption = Arch.SM90A.value,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the source here.",
+                                                   dir_okay=False)] = None,
+) -> None:
+    """Print the generated CuTe-DSL source of a spec (or write it to a file)."""
+    with _reporting_errors():
+        spec = load_spec(spec_file)
+        source = fa4gen.emit(spec, fa4gen.plan(spec, arch)).source
+        if output is not None:
+            output.write_text(source)
+    if output is None:
+        typer.echo(source, nl=False)
+    else:
+        typer.echo(f"wrote {output} ({len(source.splitlines())} lines)", err=True)
+
+
+@app.command("schema")
+def schema_command() -> None:
+    """Print the JSON Schema of the spec format."""
+    typer.echo(json.dumps(fa4gen.spec_json_schema(), indent=2))
+
+
+@app.command("version")
+def version_command(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
+    """Print the fa4gen version, the CuTe DSL toolchain and the cache root."""
+    from fa4gen.toolchain import toolchain
+
+    try:
+        found = toolchain()
+        tools = f"nvidia-cutlass-dsl {found['cutlass_dsl']} ({found['cuda']})"
+    except RuntimeError as exc:
+        tools = f"unavailable ({describe_error(exc)})"
+    typer.echo(f"fa4gen      {fa4gen.__version__}")
+    typer.echo(f"CuTe DSL    {tools}")
+    typer.echo(f"cache root  {Path(_cache_root(ctx, cache_dir)).expanduser().absolute()}")
+
+
+# ----------------------------------------------------------------------------- cache
+def _open_cache(ctx: typer.Context, cache_dir: Path | None) -> KernelCache:
+    return KernelCache(_cache_root(ctx, cache_dir))
+
+
+@cache_app.command("ls")
+def cache_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the entries as JSON.")] = False,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """List cached kernels, most recently used first."""
+    with _reporting_errors():
+        with _open_cache(ctx, cache_dir) as cache:
+            entries = cache.entries()
+            root = cache.root
+    if as_json:
+        rows = [{"key": e.key, "summary": e.meta.get("summary"), "arch": e.meta.get("arch"),
+                 "size": e.meta.get("size"), "created": e.meta.get("created"),
+                 "last_use": e.meta.get("last_use"), "path": str(e.path)} for e in entries]
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not entries:
+        typer.echo(f"cache is empty ({root})")
+        return
+    _console().print(_entries_table(entries, root))
+
+
+def _entries_table(entries: list[CacheEntry], root: Path):
+    from rich.table import Table
+
+    now = time.time()
+    table = Table(title=f"{len(entries)} cached kernel{'s' if len(entries) != 1 else ''} in {root}")
+    table.add_column("key", no_wrap=True)
+    table.add_column("spec", overflow="fold")
+    table.add_column("arch", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("created", no_wrap=True)
+    table.add_column("last use", no_wrap=True)
+    for entry in entries:
+        meta = entry.meta
+        created = datetime.fromtimestamp(meta["created"]).strftime("%Y-%m-%d %H:%M")
+        table.add_row(entry.key[:12], str(meta.get("summary", "?")), str(meta.get("arch", "?")),
+                      human_size(meta["size"]), created, _age(meta["last_use"], now))
+    return table
+
+
+@cache_app.command("clear")
+def cache_clear(
+    ctx: typer.Context,
+    arch: Annotated[Optional[str], typer.Option("--arch", help="Only entries built for this arch.")] = None,
+    older_than: Annotated[Optional[str], typer.Option(
+        "--older-than", help="Only entries last used longer ago than this, e.g. 30m, 12h, 7d.")] = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Remove cached kernels: all of them (broken ones included), or those matching the filters."""
+    max_age = parse_duration(older_than) if older_than is not None else None
+    with _reporting_errors():
+        target = Arch.parse(arch).value if arch is not None else None
+        cutoff = time.time() - max_age if max_age is not None else None
+
+        def matches(entry: CacheEntry) -> bool:
+            if target is not None and entry.meta.get("arch") != target:
+                return False
+            return cutoff is None or entry.meta["last_use"] < cutoff
+
+        with _open_cache(ctx, cache_dir) as cache:
+            filtered = target is not None or cutoff is not None
+            removed = cache.clear(predicate=matches if filtered else None)
+            root = cache.root
+    typer.echo(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}")
+
+
+@cache_app.command("verify")
+def cache_verify(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
+    """Re-hash every cached file; exit 1 if any entry is broken."""
+    with _reporting_errors():
+        with _open_cache(ctx, cache_dir) as cache:
+            report = cache.verify()
+            root = cache.root
+    broken = [(key, problem) for key, problem in report if problem is not None]
+    for key, problem in broken:
+        typer.echo(f"broken {key[:12]}: {problem}")
+    typer.echo(f"{len(report)} entr{'y' if len(report) == 1 else 'ies'} checked in {root}: "
+               f"{len(report) - len(broken)} ok, {len(broken)} broken")
+    if broken:
+        raise typer.Exit(1)
+
+
+@cache_app.command("export")
+def cache_export(
+    ctx: typer.Context,
+    archive: Annotated[Path, typer.Argument(help="Archive to write (tar.gz).", dir_okay=False)],
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Write every valid cached kernel into one archive, to ship to another machine."""
+    with _reporting_errors():
+        with _open_cache(ctx, cache_dir) as cache:
+            count = cache.export(archive)
+    typer.echo(f"exported {count} entr{'y' if count == 1 else 'ies'} to {archive}")
+
+
+@cache_app.command("import")
+def cache_import(
+    ctx: typer.Context,
+    archive: Annotated[Path, typer.Argument(help="Archive written by `fa4gen cache export`.")],
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Add the kernels of an exported archive to the cache (entries already present are kept)."""
+    with _reporting_errors():
+        with _open_cache(ctx, cache_dir) as cache:
+            count = cache.import_(archive)
+            root = cache.root
+    typer.echo(f"imported {count} entr{'y' if count == 1 else 'ies'} into {root}")
+
+
+# ----------------------------------------------------------------------------- warm
+def warm_one(spec_file: str, arch: str, cache_dir: str) -> dict[str, Any]:
+    """Build one (spec file, arch) pair; runs in a worker process, so plain data in and out."""
+    started = time.perf_counter()
+    try:
+        result = fa4gen.build(load_spec(spec_file), arch, cache_dir=cache_dir, no_compile=False)
+    except Exception as exc:  # every failure becomes a row of the report, never a crash
+        error = f"{type(exc).__name__}: {_first_line(exc)}"
+        return {"status": "failed", "seconds": time.perf_counter() - started, "error": error}
+    status = "compiled" if result.built_now else "cached"
+    return {"status": status, "seconds": time.perf_counter() - started, "error": None}
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    spec_file: Path
+    arch: str
+
+
+def collect_spec_files(paths: list[Path], exclude: Path | None = None) -> list[Path]:
+    """Every *.yaml / *.yml file among `paths` (directories searched recursively), sorted;
+    files under `exclude` (the cache, whose entries hold spec.yaml copies) are skipped."""
+    found: set[Path] = set()
+    for path in paths:
+        if path.is_dir():
+            found.update(p for p in path.rglob("*") if p.suffix.lower() in SPEC_SUFFIXES and p.is_file())
+        else:
+            found.add(path)
+    if exclude is not None:
+        found = {p for p in found if not p.absolute().is_relative_to(exclude)}
+    return sorted(found)
+
+
+def _split_arches(text: str) -> list[str]:
+    arches = [part.strip() for part in text.split(",") if part.strip()]
+    if not arches:
+        raise typer.BadParameter("name at least one arch, e.g. sm_90a", param_hint="--arch")
+    return list(dict.fromkeys(arches))
+
+
+def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[str, Any]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: list[dict[str, Any]] = [{} for _ in jobs]
+    context = multiprocessing.get_context("spawn")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=True) as progress, \
+            ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        task = progress.add_task("warming", total=len(jobs))
+        futures: dict[Future, int] = {
+            pool.submit(warm_one, str(job.spec_file), job.arch, str(cache_root)): index
+            for index, job in enumerate(jobs)
+        }
+        try:
+            for future in as_completed(futures):
+                index = futures[future]
+                results[index] = _job_result(future)
+                job = jobs[index]
+                progress.update(task, advance=1, description=f"{job.spec_file.name} {job.arch}")
+        except BaseException:  # e.g. Ctrl-C: do not start the jobs still queued
+            for future in futures:
+                future.cancel()
+            raise
+    return results
+
+
+def _job_result(future: Future) -> dict[str, Any]:
+    try:
+        return future.result()
+    except Exception as exc:  # the worker process itself died (killed, out of memory, ...)
+        return {"status": "failed", "seconds": 0.0, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
+
+
+def _warm_table(jobs: list[WarmJob], results: list[dict[str, Any]]):
+    from rich.markup import escape
+    from rich.table import Table
+
+    styles = {"compiled": "green", "cached": "cyan", "failed": "bold red"}
+    table = Table(title="fa4gen warm")
+    table.add_column("spec", overflow="fold")
+    table.add_column("arch", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("seconds", justify="right", no_wrap=True)
+    table.add_column("reason", overflow="fold")
+    for job, result in zip(jobs, results):
+        status = result["status"]
+        table.add_row(str(job.spec_file), job.arch, f"[{styles[status]}]{status}[/]",
+                      f"{result['seconds']:.2f}", escape(result["error"] or ""))
+    return table
+
+
+@app.command("warm")
+def warm_command(
+    ctx: typer.Context,
+    paths: Annotated[list[Path], typer.Argument(help="Spec files or directories (searched recursively).",
+                                                exists=True, show_default=False)],
+    arch: ArchOption = Arch.SM90A.value,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = 1,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Compile every spec under PATHS for every arch into the cache; exit 1 if any failed."""
+    arches = _split_arches(arch)
+    root = Path(_cache_root(ctx, cache_dir)).expanduser().absolute()
+    spec_files = collect_spec_files(paths, exclude=root)
+    if not spec_files:
+        typer.echo(f"error: no spec files ({', '.join('*' + s for s in SPEC_SUFFIXES)}) under "
+                   f"{', '.join(map(str, paths))}", err=True)
+        raise typer.Exit(1)
+    work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
+    started = time.perf_counter()
+    results = _run_jobs(work, root, min(jobs, len(work)))
+    _console().print(_warm_table(work, results))
+    counts = {status: sum(r["status"] == status for r in results) for status in ("compiled", "cached", "failed")}
+    typer.echo(f"{counts['compiled']} compiled, {counts['cached']} cached, {counts['failed']} failed "
+               f"in {time.perf_counter() - started:.1f} s ({root})")
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

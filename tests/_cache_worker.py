@@ -1,0 +1,81 @@
+"""Helper process for tests/test_cache.py: get_or_build some keys, print one JSON line.
+
+    python tests/_cache_worker.py ROOT KEY [KEY ...] [--log F] [--sleep S] [--started F]
+                                  [--ready F --go F] [--no-compile]
+
+The fake build appends "<pid>\\n" to --log, writes kernel.so (random bytes, so two builds can be
+told apart), touches --started, sleeps --sleep seconds, then writes its last file. With --ready
+and --go the process signals that it is up and waits for the go file, so many workers race.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fa4gen.cache import CacheMiss, KernelCache  # noqa: E402
+
+
+def make_build(log: str, sleep: float, started: str | None):
+    def build(out: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        (out / "kernel.so").write_bytes(os.urandom(64 * 1024))
+        (out / "kernel.py").write_text("# generated kernel source\n")
+        if started:
+            Path(started).touch()
+        time.sleep(sleep)
+        (out / "plan.json").write_text('{"tile_m": 128}\n')
+
+    return build
+
+
+def wait_for(path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {path}")
+        time.sleep(0.005)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("keys", nargs="+")
+    parser.add_argument("--log", default=os.devnull)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--started")
+    parser.add_argument("--ready")
+    parser.add_argument("--go")
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+
+    cache = KernelCache(args.root)
+    build = make_build(args.log, args.sleep, args.started)
+    if args.ready:
+        Path(args.ready).touch()
+    if args.go:
+        wait_for(args.go)
+    results = []
+    for key in args.keys:
+        try:
+            entry, built = cache.get_or_build(
+                key, {"name": "worker"}, build, no_compile=args.no_compile, miss_message="miss"
+            )
+        except CacheMiss:
+            results.append({"key": key, "hit": False})
+            continue
+        digest = hashlib.sha256(entry.file("kernel.so").read_bytes()).hexdigest()
+        results.append({"key": key, "hit": not built, "built": built, "digest": digest})
+    print(json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Regenerate the golden emitter outputs in tests/golden/ from the spec files in specs/.
+
+    python tests/regen_golden.py            # rewrite every golden (and remove stale ones)
+    python tests/regen_golden.py --check    # only report which goldens are out of date (exit 1)
+
+Each specs/<stem>.yaml becomes tests/golden/<stem>.<arch>.py holding exactly
+``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``. Review the diff before committing: a golden
+change is a change of the generated kernel code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import fa4gen
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS_DIR = ROOT / "specs"
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+ARCHES = ("sm_90a",)
+
+
+def golden_path(stem: str, arch: str) -> Path:
+    return GOLDEN_DIR / f"{stem}.{arch}.py"
+
+
+def render(spec_path: Path, arch: str) -> str:
+    spec = fa4gen.load_spec(spec_path)
+    return fa4gen.emit(spec, fa4gen.plan(spec, arch)).source
+
+
+def expected_goldens() -> dict[Path, str]:
+    return {
+        golden_path(spec_path.stem, arch): render(spec_path, arch)
+        for spec_path in sorted(SPECS_DIR.glob("*.yaml"))
+        for arch in ARCHES
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report out-of-date goldens, write nothing")
+    args = parser.parse_args(argv)
+
+    wanted = expected_goldens()
+    stale = sorted(set(GOLDEN_DIR.glob("*.py")) - set(wanted))
+    changed = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+
+    if args.check:
+        for path in changed:
+            print(f"out of date: {path.relative_to(ROOT)}")
+        for path in stale:
+            print(f"stale (no spec): {path.relative_to(ROOT)}")
+        return 1 if changed or stale else 0
+
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    for path in changed:
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(ROOT)}")
+    for path in stale:
+        path.unlink()
+        print(f"removed {path.relative_to(ROOT)}")
+    print(f"{len(wanted)} goldens, {len(changed)} rewritten, {len(stale)} removed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

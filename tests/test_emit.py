@@ -1,0 +1,306 @@
+"""Tests of fa4gen.emitter: golden outputs per spec file, and the structure of emitted modules.
+
+Golden files live in tests/golden/<spec stem>.<arch>.py; after an intended change to the template,
+planner or spec dumping, regenerate them with ``python tests/regen_golden.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+import importlib.util
+import math
+import types
+from pathlib import Path
+
+import pytest
+
+import fa4gen
+from fa4gen.emitter import LOG2E, emit
+from fa4gen.planner import plan
+from fa4gen.spec import AttentionSpec, dump_spec, load_spec
+
+TESTS_DIR = Path(__file__).resolve().parent
+SPECS_DIR = TESTS_DIR.parent / "specs"
+GOLDEN_DIR = TESTS_DIR / "golden"
+SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
+SPEC_IDS = [p.stem for p in SPEC_FILES]
+ARCH = "sm_90a"
+DIFF_LINES = 40
+
+EXTRA_SPECS = {
+    "default": AttentionSpec(),
+    "window-both": AttentionSpec(head_dim=64, window_left=128, window_right=32),
+    "softcap-scale": AttentionSpec(head_dim=96, softcap=30.0, softmax_scale=0.125, dtype="fp16"),
+    "mqa-d8": AttentionSpec(head_dim=8, qhead_per_kvhead=256, return_lse=True),
+    "d192-d192": AttentionSpec(head_dim=192, head_dim_v=192, causal=True),
+}
+
+
+def _all_specs() -> list:
+    params = [pytest.param(load_spec(p), id=p.stem) for p in SPEC_FILES]
+    params += [pytest.param(s, id=name) for name, s in EXTRA_SPECS.items()]
+    return params
+
+
+def _source(spec: AttentionSpec) -> str:
+    return emit(spec, plan(spec, ARCH)).source
+
+
+def _golden_mismatch_message(golden: Path, expected: str, actual: str) -> str:
+    diff = list(
+        difflib.unified_diff(
+            expected.splitlines(keepends=True),
+            actual.splitlines(keepends=True),
+            fromfile=f"{golden.relative_to(TESTS_DIR.parent)} (golden)",
+            tofile="emitted",
+        )
+    )
+    shown = "".join(diff[:DIFF_LINES])
+    more = f"\n... ({len(diff) - DIFF_LINES} more diff lines)" if len(diff) > DIFF_LINES else ""
+    return (
+        f"emitted source differs from {golden.name}. If the change is intended, run "
+        f"`python tests/regen_golden.py` and review the golden diff.\n{shown}{more}"
+    )
+
+
+# --------------------------------------------------------------------------- goldens
+
+
+def test_there_are_spec_files():
+    assert len(SPEC_FILES) >= 6
+
+
+@pytest.mark.parametrize("spec_path", SPEC_FILES, ids=SPEC_IDS)
+def test_emit_matches_golden(spec_path):
+    golden = GOLDEN_DIR / f"{spec_path.stem}.{ARCH}.py"
+    assert golden.exists(), f"no golden {golden.name}: run `python tests/regen_golden.py`"
+    expected = golden.read_text()
+    actual = _source(load_spec(spec_path))
+    assert actual == expected, _golden_mismatch_message(golden, expected, actual)
+
+
+def test_no_stale_goldens():
+    stems = {p.stem for p in SPEC_FILES}
+    stale = [g.name for g in GOLDEN_DIR.glob("*.py") if g.name.removesuffix(f".{ARCH}.py") not in stems]
+    assert not stale, f"goldens without a spec file: {stale}; run `python tests/regen_golden.py`"
+
+
+def test_golden_mismatch_message_is_helpful():
+    golden = GOLDEN_DIR / "x.sm_90a.py"
+    expected = "".join(f"line {i}\n" for i in range(200))
+    actual = expected.replace("line 3\n", "line three\n").replace("line 150\n", "")
+    actual = actual.replace("line 1", "LINE 1")  # 1, 10..19, 100..199: well over DIFF_LINES changes
+    message = _golden_mismatch_message(golden, expected, actual)
+    assert "python tests/regen_golden.py" in message
+    assert "-line 3\n" in message and "+line three\n" in message
+    assert "more diff lines" in message
+    assert message.count("\n") < DIFF_LINES + 5
+
+
+def test_regen_golden_check_is_clean():
+    module_spec = importlib.util.spec_from_file_location("regen_golden", TESTS_DIR / "regen_golden.py")
+    regen = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(regen)
+    assert regen.expected_goldens().keys() == {GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS}
+    assert regen.main(["--check"]) == 0
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _make_kernel_kwargs(tree: ast.Module) -> dict[str, ast.expr]:
+    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
+    (ret,) = [n for n in ast.walk(func) if isinstance(n, ast.Return)]
+    assert isinstance(ret.value, ast.Call)
+    return {kw.arg: kw.value for kw in ret.value.keywords}
+
+
+def _module_constants(tree: ast.Module) -> dict[str, object]:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            out[node.targets[0].id] = value.id if isinstance(value, ast.Name) else ast.literal_eval(value)
+    return out
+
+
+@pytest.mark.parametrize("spec", _all_specs())
+def test_emitted_source_structure(spec):
+    kernel_plan = plan(spec, ARCH)
+    emitted = emit(spec, kernel_plan)
+    source = emitted.source
+    builtins.compile(source, "k.py", "exec")
+    tree = ast.parse(source)
+
+    assert source.startswith(f"# Generated by fa4gen {fa4gen.__version__}: do not edit.")
+    for tag in ("{{", "}}", "{%", "%}", "{#", "#}"):
+        assert tag not in source, f"jinja leftover {tag!r}"
+    assert source.endswith("\n") and not source.endswith("\n\n")
+    assert all(line == line.rstrip() for line in source.splitlines()), "trailing whitespace"
+
+    lines = source.splitlines()
+    header = lines[: lines.index("import cutlass")]
+    assert all(line.startswith("#") for line in header)
+    for yaml_line in dump_spec(spec).splitlines():
+        assert f"#   {yaml_line}".rstrip() in header, f"spec line {yaml_line!r} not in header"
+    assert f"# plan ({kernel_plan.arch}):" in header
+
+    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
+    imports = {(n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("fa4gen.kernels.sm90_fwd", kernel_plan.kernel) in imports
+    assert emitted.template == "sm90_fwd.py.jinja"
+
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    constants = _module_constants(tree)
+    if spec.softcap is not None:
+        assert "score_mod" in functions
+        assert constants["SCORE_MOD"] == "score_mod"
+        assert constants["SOFTCAP"] == spec.softcap
+        assert f"SOFTCAP = {spec.softcap!r}" in source
+        assert constants["PRE_TANH"] == spec.scale / spec.softcap
+        assert constants["SCALE_LOG2"] == LOG2E
+    else:
+        assert "score_mod" not in functions
+        assert "SOFTCAP" not in constants
+        assert constants["SCORE_MOD"] is None
+        assert "SCORE_MOD = None" in source
+        assert constants["SCALE_LOG2"] == spec.scale * LOG2E
+
+
+@pytest.mark.parametrize("spec", _all_specs())
+def test_emitted_constants_match_spec_and_plan(spec):
+    kernel_plan = plan(spec, ARCH)
+    kwargs = {k: (v.id if isinstance(v, ast.Name) else ast.literal_eval(v))
+              for k, v in _make_kernel_kwargs(ast.parse(_source(spec))).items()}
+    assert kwargs == {
+        "head_dim": spec.head_dim,
+        "head_dim_v": spec.dv,
+        "head_dim_padded": kernel_plan.head_dim_padded,
+        "head_dim_v_padded": kernel_plan.head_dim_v_padded,
+        "qhead_per_kvhead": spec.qhead_per_kvhead,
+        "tile_m": kernel_plan.tile_m,
+        "tile_n": kernel_plan.tile_n,
+        "kv_stages": kernel_plan.kv_stages,
+        "num_consumer_warpgroups": kernel_plan.num_consumer_warpgroups,
+        "producer_regs": kernel_plan.producer_regs,
+        "consumer_regs": kernel_plan.consumer_regs,
+        "scale_log2": "SCALE_LOG2",
+        "window_left": spec.left_bound,
+        "window_right": spec.right_bound,
+        "score_mod": "SCORE_MOD",
+        "return_lse": spec.return_lse,
+    }
+
+
+@pytest.mark.parametrize(
+    "stem, snippets",
+    [
+        ("gemma2-local", ["window_left=4096,", "window_right=0,", "head_dim=256,", "qhead_per_kvhead=2,",
+                          "tile_n=64,", "SOFTCAP = 50.0", "SCORE_MOD = score_mod"]),
+        ("mistral-7b", ["window_left=4096,", "window_right=0,", "qhead_per_kvhead=4,", "SCORE_MOD = None"]),
+        ("llama3-8b", ["window_left=None,", "window_right=0,", "qhead_per_kvhead=4,", "tile_n=128,"]),
+        ("vit", ["head_dim=64,", "window_left=None,", "window_right=None,", "kv_stages=3,"]),
+        ("deepseek-style", ["head_dim=192,", "head_dim_v=128,", "return_lse=True,", "window_right=0,"]),
+        ("qwen-fp16", ["#   dtype: float16", "qhead_per_kvhead=8,", "return_lse=False,"]),
+    ],
+)
+def test_emitted_constants_for_spec_files(stem, snippets):
+    source = _source(load_spec(SPECS_DIR / f"{stem}.yaml"))
+    for snippet in snippets:
+        assert snippet in source, f"{snippet!r} missing from the {stem} kernel"
+
+
+def test_softcap_constants_are_exact():
+    spec = AttentionSpec(head_dim=256, softcap=50.0)
+    constants = _module_constants(ast.parse(_source(spec)))
+    assert constants["PRE_TANH"] == pytest.approx(1 / 16 / 50, rel=1e-15)
+    spec = AttentionSpec(head_dim=64, softmax_scale=0.5)
+    constants = _module_constants(ast.parse(_source(spec)))
+    assert constants["SCALE_LOG2"] == pytest.approx(0.5 / math.log(2), rel=1e-15)
+
+
+@pytest.mark.parametrize("spec", _all_specs())
+def test_emit_is_deterministic(spec):
+    kernel_plan = plan(spec, ARCH)
+    first = emit(spec, kernel_plan)
+    second = emit(spec, kernel_plan)
+    assert first == second
+    assert first.source == second.source == emit(spec, plan(spec, ARCH)).source
+
+
+def test_emit_module_name():
+    spec = AttentionSpec()
+    emitted = emit(spec, plan(spec, ARCH), module_name="fa4gen_kernel_abc")
+    assert emitted.module_name == "fa4gen_kernel_abc"
+    assert emitted.source == _source(spec)  # the name is not baked into the source
+    assert emit(spec, plan(spec, ARCH)).module_name == "fa4gen_kernel"
+
+
+# --------------------------------------------------------------------------- executing the module
+
+
+class _FakeFloat32(float):
+    inf = math.inf
+
+
+def _stub_import(kernels: dict[str, object]):
+    """An __import__ that serves the emitted module's imports from stubs (no GPU, no CUTLASS),
+    and refuses everything else: the generated module must import nothing more."""
+    cute = types.SimpleNamespace(
+        jit=lambda fn: fn,
+        math=types.SimpleNamespace(tanh=lambda x, fastmath=False: math.tanh(x)),
+    )
+    cutlass = types.SimpleNamespace(cute=cute, Float32=_FakeFloat32)
+    kernel_module = types.SimpleNamespace(**kernels)
+
+    def fake_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name in ("cutlass", "cutlass.cute"):
+            return cutlass
+        if name == "fa4gen.kernels.sm90_fwd" and fromlist:
+            return kernel_module
+        raise ImportError(f"emitted module imports {name!r}")
+
+    return fake_import
+
+
+@pytest.mark.parametrize("spec", _all_specs())
+def test_emitted_module_runs_with_stubs(spec):
+    kernel_plan = plan(spec, ARCH)
+    captured = {}
+
+    class FakeKernel:
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+
+    namespace = {"__builtins__": {**vars(builtins), "__import__": _stub_import({kernel_plan.kernel: FakeKernel})},
+                 "__name__": "fa4gen_kernel"}
+    exec(builtins.compile(_source(spec), "k.py", "exec"), namespace)
+    kernel = namespace["make_kernel"]()
+    assert isinstance(kernel, FakeKernel)
+    assert captured["tile_n"] == kernel_plan.tile_n
+    assert captured["window_left"] == spec.left_bound and captured["window_right"] == spec.right_bound
+    if spec.softcap is None:
+        assert captured["score_mod"] is None
+        assert captured["scale_log2"] == spec.scale * LOG2E
+    else:
+        score_mod = captured["score_mod"]
+        assert captured["scale_log2"] == LOG2E
+        for s in (-1000.0, -3.0, 0.0, 0.5, 7.0, 1e6):
+            want = spec.softcap * math.tanh(s * spec.scale / spec.softcap)
+            assert score_mod(s) == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert abs(score_mod(1e9)) <= spec.softcap
+
+
+@pytest.mark.parametrize("spec_path", SPEC_FILES, ids=SPEC_IDS)
+def test_emitted_module_builds_the_real_kernel_object(spec_path):
+    """The generated wiring matches the real kernel class's constructor (CPU only: nothing traced)."""
+    pytest.importorskip("cutlass")
+    spec = load_spec(spec_path)
+    kernel_plan = plan(spec, ARCH)
+    module = types.ModuleType("fa4gen_kernel_under_test")
+    exec(builtins.compile(_source(spec), str(spec_path.stem) + ".py", "exec"), module.__dict__)
+    kernel = module.make_kernel()
+    assert type(kernel).__name__ == kernel_plan.kernel
+    assert type(kernel).__module__ == "fa4gen.kernels.sm90_fwd"

@@ -1,0 +1,278 @@
+"""Tests of fa4gen.planner and fa4gen.arch: sm_90a tile tables, resource limits, reasons. CPU only."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from fa4gen.arch import Arch, UnsupportedArchError, arch_for_capability, require_supported
+from fa4gen.planner import (
+    MMA_K_GRANULE,
+    SM90_FWD_TILES,
+    Plan,
+    plan,
+    sm90_smem_bytes,
+)
+from fa4gen.spec import AttentionSpec
+
+CAPS = Arch.SM90A.caps
+SMEM_LIMIT = CAPS.smem_bytes_per_cta
+HEAD_DIMS = tuple(range(8, 257, 8))
+TABLE_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256), (8, 8), (24, 200), (192, 192)]
+PLAN_FIELDS = tuple(name for name in Plan.model_fields if name != "reasons")
+# KNOWN GAP (reported, fa4gen/planner.py): `arch` is the only plan field without a reason; the
+# strict xfail test_every_field_including_arch_has_a_reason tracks it.
+FIELDS_WITHOUT_REASON_YET = frozenset({"arch"})
+
+
+def _spec(head_dim: int, head_dim_v: int, **extra) -> AttentionSpec:
+    return AttentionSpec(head_dim=head_dim, head_dim_v=head_dim_v, **extra)
+
+
+def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
+    """Everything that must hold for any sm_90a plan."""
+    assert p.arch == "sm_90a"
+    assert p.kernel == "HopperAttentionForward"
+    assert p.tile_m == 128
+    assert p.tile_m == 64 * p.num_consumer_warpgroups
+    assert p.tile_n % 16 == 0 and 16 <= p.tile_n <= 256
+    assert p.kv_stages >= 2
+    assert p.head_dim_padded % MMA_K_GRANULE == 0 and p.head_dim_padded >= spec.head_dim
+    assert p.head_dim_v_padded % MMA_K_GRANULE == 0 and p.head_dim_v_padded >= spec.dv
+    assert p.head_dim_padded - spec.head_dim < MMA_K_GRANULE  # padded to the next granule only
+    assert p.head_dim_v_padded - spec.dv < MMA_K_GRANULE
+    expected_smem = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
+    assert p.smem_bytes == expected_smem
+    assert p.smem_bytes <= SMEM_LIMIT
+    threads_per_warpgroup = 128
+    total_regs = threads_per_warpgroup * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs)
+    assert total_regs <= 65536
+    assert total_regs <= CAPS.registers_per_sm
+    assert p.consumer_regs <= CAPS.max_regs_per_thread
+    assert p.producer_regs % 8 == 0 and p.consumer_regs % 8 == 0  # setmaxnreg granularity
+    assert p.skip_masked_tiles == spec.has_mask
+
+
+# --------------------------------------------------------------------------- table
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", TABLE_DIMS, ids=[f"d{a}-{b}" for a, b in TABLE_DIMS])
+def test_plan_table(head_dim, head_dim_v):
+    spec = _spec(head_dim, head_dim_v)
+    p = plan(spec, "sm_90a")
+    check_plan_invariants(spec, p)
+    assert p.tile_m == 128
+    assert p.tile_n % 16 == 0 and p.tile_n <= 256
+    assert p.kv_stages >= 2
+    assert p.smem_bytes == sm90_smem_bytes(128, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
+    assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
+    assert 128 * (p.producer_regs + 2 * p.consumer_regs) <= 65536
+    for name in PLAN_FIELDS:
+        if name in FIELDS_WITHOUT_REASON_YET:
+            continue
+        assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"
+    assert set(p.reasons) <= set(PLAN_FIELDS), "reasons for fields the plan does not have"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG fa4gen/planner.py _plan_sm90: the reasons dict has no entry for the `arch` field, "
+    "so Plan.describe() prints it with an empty reason. Remove this xfail when it is added.",
+)
+def test_every_field_including_arch_has_a_reason():
+    p = plan(AttentionSpec(), "sm_90a")
+    missing = [name for name in PLAN_FIELDS if not p.reasons.get(name, "").strip()]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, tile_n, kv_stages",
+    [(128, 128, 128, 2), (64, 64, 128, 3), (256, 256, 64, 2), (192, 128, 128, 2)],
+)
+def test_plan_exact_main_rows(head_dim, head_dim_v, tile_n, kv_stages):
+    p = plan(_spec(head_dim, head_dim_v), "sm_90a")
+    assert (p.tile_n, p.kv_stages) == (tile_n, kv_stages)
+    assert (p.head_dim_padded, p.head_dim_v_padded) == (head_dim, head_dim_v)
+    assert p.p_in_registers is True
+    assert p.num_consumer_warpgroups == 2
+
+
+def test_plan_d192_d192_shrinks_to_fit():
+    # Q + 2 x 128-key K/V tiles at d192/192 is 241 KB > 227 KB: the planner must shrink tile_n
+    p = plan(_spec(192, 192), "sm_90a")
+    assert sm90_smem_bytes(128, 128, 2, 192, 192, 2) > SMEM_LIMIT
+    assert p.tile_n < 128 and p.kv_stages == 2
+    assert sm90_smem_bytes(128, p.tile_n + MMA_K_GRANULE, 2, 192, 192, 2) > SMEM_LIMIT  # largest that fits
+    assert "shrunk" in p.reasons["tile_n"]
+
+
+def test_plan_pads_odd_head_dims():
+    p = plan(_spec(24, 200), "sm_90a")
+    assert (p.head_dim_padded, p.head_dim_v_padded) == (32, 208)
+    p = plan(_spec(8, 8), "sm_90a")
+    assert (p.head_dim_padded, p.head_dim_v_padded) == (16, 16)
+
+
+def test_tile_table_is_ordered_and_covers_all_head_dims():
+    bounds = [row.max_head_dim for row in SM90_FWD_TILES]
+    assert bounds == sorted(bounds)
+    assert bounds[-1] >= 256
+    for row in SM90_FWD_TILES:
+        assert row.tile_n % 16 == 0 and row.kv_stages >= 2 and row.reason.strip()
+
+
+def test_exhaustive_head_dim_pairs_fit():
+    seen_tiles = set()
+    for head_dim in HEAD_DIMS:
+        for head_dim_v in HEAD_DIMS:
+            spec = _spec(head_dim, head_dim_v)
+            p = plan(spec, "sm_90a")
+            check_plan_invariants(spec, p)
+            seen_tiles.add((p.tile_n, p.kv_stages))
+    assert {(128, 3), (128, 2), (64, 2)} <= seen_tiles
+
+
+def test_plan_depends_on_dims_not_on_variant_flags():
+    base = plan(AttentionSpec(head_dim=128), "sm_90a")
+    for other in (AttentionSpec(head_dim=128, dtype="fp16"), AttentionSpec(head_dim=128, qhead_per_kvhead=8),
+                  AttentionSpec(head_dim=128, softcap=30.0), AttentionSpec(head_dim=128, return_lse=True)):
+        p = plan(other, "sm_90a")
+        assert (p.tile_n, p.kv_stages, p.smem_bytes) == (base.tile_n, base.kv_stages, base.smem_bytes)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize(
+    "fields, masked",
+    [
+        ({}, False),
+        ({"causal": True}, True),
+        ({"causal": True, "window_right": 0}, True),
+        ({"window_left": 0}, True),
+        ({"window_left": 4096}, True),
+        ({"window_right": 0}, True),
+        ({"window_right": 128}, True),
+        ({"window_left": 256, "window_right": 256}, True),
+        ({"causal": True, "window_left": 4096}, True),
+        ({"softcap": 50.0}, False),
+        ({"qhead_per_kvhead": 8, "return_lse": True}, False),
+        ({"causal": False, "window_left": None, "window_right": None}, False),
+    ],
+)
+def test_skip_masked_tiles_iff_causal_or_window(fields, masked):
+    spec = AttentionSpec(**fields)
+    p = plan(spec, "sm_90a")
+    has_window = spec.window_left is not None or spec.window_right is not None
+    assert p.skip_masked_tiles is masked
+    assert p.skip_masked_tiles == (spec.causal or has_window)
+    assert p.reasons["skip_masked_tiles"].strip()
+
+
+# --------------------------------------------------------------------------- model properties
+
+
+def test_plan_is_frozen():
+    p = plan(AttentionSpec(), "sm_90a")
+    with pytest.raises(ValidationError, match="frozen"):
+        p.tile_n = 64  # type: ignore[misc]
+    assert p.tile_n == 128
+
+
+def test_plan_rejects_extra_fields():
+    data = plan(AttentionSpec(), "sm_90a").model_dump()
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        Plan.model_validate({**data, "unexpected": 1})
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", TABLE_DIMS)
+def test_plan_json_round_trip(head_dim, head_dim_v):
+    p = plan(_spec(head_dim, head_dim_v, causal=True), "sm_90a")
+    again = Plan.model_validate_json(p.model_dump_json())
+    assert again == p
+    assert again.canonical_json() == p.canonical_json()
+
+
+def test_plan_is_deterministic():
+    spec = AttentionSpec(head_dim=192, head_dim_v=128, causal=True, window_left=1024)
+    first = plan(spec, "sm_90a")
+    for _ in range(3):
+        again = plan(spec, "sm_90a")
+        assert again == first
+        assert again.canonical_json() == first.canonical_json()
+        assert again.describe() == first.describe()
+    assert plan(spec, Arch.SM90A) == first
+    assert plan(spec) == first  # sm_90a is the default target
+
+
+def test_equal_canonical_specs_plan_equal():
+    assert plan(AttentionSpec(head_dim=128), "sm_90a") == plan(AttentionSpec(head_dim=128, head_dim_v=128), "sm_90a")
+
+
+def test_describe_lists_every_field():
+    p = plan(AttentionSpec(causal=True), "sm_90a")
+    text = p.describe()
+    assert text.startswith("plan for sm_90a (HopperAttentionForward)")
+    for name in PLAN_FIELDS:
+        assert f"  {name} " in text
+
+
+# --------------------------------------------------------------------------- arch
+
+
+def test_sm100a_is_reserved():
+    with pytest.raises(UnsupportedArchError, match="reserved") as info:
+        plan(AttentionSpec(), "sm_100a")
+    assert "sm_90a" in str(info.value)  # says what is supported
+    with pytest.raises(UnsupportedArchError):
+        plan(AttentionSpec(), Arch.SM100A)
+    with pytest.raises(UnsupportedArchError):
+        require_supported("sm_100a")
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_89", "sm_120a", "hopper", ""])
+def test_unknown_arch_names_known_targets(target):
+    with pytest.raises(ValueError, match="known targets") as info:
+        plan(AttentionSpec(), target)
+    message = str(info.value)
+    assert "sm_90a" in message and "sm_100a" in message
+    assert repr(target) in message
+    with pytest.raises(ValueError, match="known targets"):
+        Arch.parse(target)
+
+
+@pytest.mark.parametrize("text", ["sm_90a", "SM_90A", "sm90a", "sm_90", " sm_90a "])
+def test_arch_parse_accepts_spellings(text):
+    assert Arch.parse(text) is Arch.SM90A
+    assert require_supported(text) is Arch.SM90A
+
+
+def test_arch_parse_passes_enum_through():
+    assert Arch.parse(Arch.SM90A) is Arch.SM90A
+    assert Arch.parse("sm_100a") is Arch.SM100A
+    assert Arch.parse("sm_100") is Arch.SM100A
+
+
+def test_arch_caps():
+    assert Arch.SM90A.supported and not Arch.SM100A.supported
+    assert CAPS.smem_bytes_per_cta == 227 * 1024
+    assert CAPS.compute_capability == (9, 0)
+    assert CAPS.warpgroup_mma and CAPS.tma and CAPS.setmaxnreg
+
+
+def test_arch_for_capability():
+    assert arch_for_capability(9, 0) is Arch.SM90A
+
+
+@pytest.mark.parametrize("major, minor", [(8, 0), (8, 9), (7, 5), (9, 1), (12, 0)])
+def test_arch_for_unsupported_capability(major, minor):
+    with pytest.raises(UnsupportedArchError) as info:
+        arch_for_capability(major, minor)
+    message = str(info.value)
+    assert f"compute capability {major}.{minor}" in message
+    assert "sm_90a" in message
+
+
+def test_arch_for_reserved_capability():
+    with pytest.raises(UnsupportedArchError, match="reserved"):
+        arch_for_capability(10, 0)
