@@ -19,6 +19,8 @@ from fa4gen.runtime import AttentionKernel  # noqa: E402
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_json_schema  # noqa: E402
 from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004
 
+# `compile` is public (fa4gen.compile) but left out of __all__: a star import must not
+# shadow the builtin.
 __all__ = [
     "Arch",
     "AttentionKernel",
@@ -32,7 +34,6 @@ __all__ = [
     "UnsupportedArchError",
     "UntrustedCacheError",
     "build",
-    "compile",
     "detect_arch",
     "dump_spec",
     "emit",

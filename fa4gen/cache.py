@@ -615,7 +615,7 @@ class KernelCache:
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                    got: bool | None = True
+                    got: bool | None = True if _same_file(fd, path) else None
                 except BlockingIOError:
                     got = False
                 if got is not None:  # None: the file was unlinked with its entry; open anew
@@ -637,7 +637,7 @@ class KernelCache:
                 return None
             try:
                 return op(index)
-            except (sqlite3.Error, OSError) as exc:
+            except Exception as exc:  # sqlite3.Error, OSError, diskcache.Timeout, bad records
                 self.close()  # e.g. the index directory was deleted under us: reopen once
                 if attempt:
                     log.warning("fa4gen cache index %s failed (%s); continuing without it",
@@ -653,7 +653,7 @@ class KernelCache:
                     self._index = diskcache.Cache(str(self._index_dir), timeout=10,
                                                   eviction_policy="none")
                     break
-                except (sqlite3.Error, OSError) as exc:
+                except Exception as exc:  # sqlite3.Error, OSError, diskcache.Timeout
                     if attempt == 0 and type(exc) is sqlite3.DatabaseError:  # not a database
                         log.warning("fa4gen cache index %s is corrupt; recreating it",
                                     self._index_dir)

@@ -39,17 +39,13 @@ from fa4gen.spec import load_spec
 SPEC_SUFFIXES = (".yaml", ".yml")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_STATUS_STYLES = {"compiled": "green", "cached": "cyan", "failed": "bold red"}  # warm report rows
 # Failures a user can fix: reported as one line, never with a traceback.
 _EXPECTED_ERRORS = (ValidationError, yaml.YAMLError, ValueError, UnsupportedArchError, CacheError,
                     CompileError, OSError)
 
-app = typer.Typer(
-    name="fa4gen",
-    help="JIT kernel-generation compiler for attention variants (CuTe DSL).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
-)
+app = typer.Typer(name="fa4gen", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_show_locals=False)
 cache_app = typer.Typer(help="Inspect and manage the on-disk kernel cache.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
@@ -76,41 +72,45 @@ def describe_error(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _first_line(exc: BaseException) -> str:
-    text = describe_error(exc) if isinstance(exc, ValidationError) else str(exc)
+def failure_reason(exc: BaseException) -> str:
+    """``ExceptionType: first line of its message``, for one row of the warm report."""
+    text = describe_error(exc) if isinstance(exc, (ValidationError, OSError)) else str(exc)
     lines = text.strip().splitlines()
-    return lines[0] if lines else ""
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 @contextlib.contextmanager
 def _reporting_errors() -> Iterator[None]:
     """Turn expected failures into ``error: ...`` and exit 1; cache warnings into one line each."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CacheCorruptionWarning)
-        try:
-            yield
-        except _EXPECTED_ERRORS as exc:
-            _flush_warnings(caught)
-            typer.echo(f"error: {describe_error(exc)}", err=True)
-            raise typer.Exit(1) from None
-    _flush_warnings(caught)
+    failure: BaseException | None = None
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CacheCorruptionWarning)
+            try:
+                yield
+            except _EXPECTED_ERRORS as exc:
+                failure = exc
+    finally:  # outside catch_warnings, so re-issued warnings reach the normal machinery
+        _flush_warnings(caught)
+    if failure is not None:
+        typer.echo(f"error: {describe_error(failure)}", err=True)
+        raise typer.Exit(1)
 
 
 def _flush_warnings(caught: list[warnings.WarningMessage]) -> None:
     for item in caught:
         if issubclass(item.category, CacheCorruptionWarning):
             typer.echo(f"warning: {item.message}", err=True)
-        else:
-            warnings.showwarning(item.message, item.category, item.filename, item.lineno)
-    caught.clear()
+        else:  # back through the active filters, as if never caught
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno,
+                                   source=item.source)
 
 
 def _cache_root(ctx: typer.Context, cache_dir: Path | None) -> Path:
-    """The command's --cache-dir, else the global one, else the default root."""
-    if cache_dir is not None:
-        return cache_dir
-    root = (ctx.obj or {}).get("cache_dir")
-    return root if root is not None else default_cache_root()
+    """The command's --cache-dir, else the global one, else the default root (absolute)."""
+    root = cache_dir or (ctx.obj or {}).get("cache_dir") or default_cache_root()
+    return Path(root).expanduser().absolute()
 
 
 def human_size(size: int) -> str:
@@ -160,21 +160,19 @@ def compile_command(
     ctx: typer.Context,
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
-    no_compile: Annotated[bool, typer.Option("--no-compile", help="Fail on a cache miss instead of compiling.")] = False,
+    no_compile: Annotated[bool, typer.Option(
+        "--no-compile", help="Fail on a cache miss instead of compiling (or FA4GEN_NO_COMPILE=1).")] = False,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Build a spec into the kernel cache (or find it there); print the plan and the entry."""
     with _reporting_errors():
-        spec = load_spec(spec_file)
+        spec, root = load_spec(spec_file), _cache_root(ctx, cache_dir)
         started = time.perf_counter()
-        result = fa4gen.build(spec, arch, cache_dir=_cache_root(ctx, cache_dir), no_compile=no_compile or None)
+        result = fa4gen.build(spec, arch, cache_dir=root, no_compile=no_compile or None)  # None: env decides
         elapsed = time.perf_counter() - started
-    typer.echo(result.plan.describe())
-    typer.echo("")
-    typer.echo(f"key     {result.key}")
-    typer.echo(f"path    {result.entry.path}")
-    typer.echo(f"status  {_build_status(result.entry, result.built_now, elapsed)}")
-    typer.echo(f"size    {human_size(result.entry.meta.get('size', 0))}")
+    status = _build_status(result.entry, result.built_now, elapsed)
+    typer.echo(f"{result.plan.describe()}\n\nkey     {result.key}\npath    {result.entry.path}\n"
+               f"status  {status}\nsize    {human_size(result.entry.meta.get('size', 0))}")
 
 
 def _build_status(entry: CacheEntry, built_now: bool, elapsed: float) -> str:
@@ -235,12 +233,19 @@ def version_command(ctx: typer.Context, cache_dir: CacheDirOption = None) -> Non
         tools = f"unavailable ({describe_error(exc)})"
     typer.echo(f"fa4gen      {fa4gen.__version__}")
     typer.echo(f"CuTe DSL    {tools}")
-    typer.echo(f"cache root  {Path(_cache_root(ctx, cache_dir)).expanduser().absolute()}")
+    typer.echo(f"cache root  {_cache_root(ctx, cache_dir)}")
 
 
 # ----------------------------------------------------------------------------- cache
-def _open_cache(ctx: typer.Context, cache_dir: Path | None) -> KernelCache:
-    return KernelCache(_cache_root(ctx, cache_dir))
+@contextlib.contextmanager
+def _opened_cache(ctx: typer.Context, cache_dir: Path | None) -> Iterator[KernelCache]:
+    """The selected cache, with expected failures (an untrusted root, ...) reported as one line."""
+    with _reporting_errors(), KernelCache(_cache_root(ctx, cache_dir)) as cache:
+        yield cache
+
+
+def _entries(count: int) -> str:
+    return f"{count} {'entry' if count == 1 else 'entries'}"
 
 
 @cache_app.command("ls")
@@ -250,20 +255,16 @@ def cache_ls(
     cache_dir: CacheDirOption = None,
 ) -> None:
     """List cached kernels, most recently used first."""
-    with _reporting_errors():
-        with _open_cache(ctx, cache_dir) as cache:
-            entries = cache.entries()
-            root = cache.root
+    with _opened_cache(ctx, cache_dir) as cache:
+        entries = cache.entries()
     if as_json:
-        rows = [{"key": e.key, "summary": e.meta.get("summary"), "arch": e.meta.get("arch"),
-                 "size": e.meta.get("size"), "created": e.meta.get("created"),
-                 "last_use": e.meta.get("last_use"), "path": str(e.path)} for e in entries]
+        fields = ("summary", "arch", "size", "created", "last_use")
+        rows = [{"key": e.key, **{f: e.meta.get(f) for f in fields}, "path": str(e.path)} for e in entries]
         typer.echo(json.dumps(rows, indent=2))
-        return
-    if not entries:
-        typer.echo(f"cache is empty ({root})")
-        return
-    _console().print(_entries_table(entries, root))
+    elif not entries:
+        typer.echo(f"cache is empty ({cache.root})")
+    else:
+        _console().print(_entries_table(entries, cache.root))
 
 
 def _entries_table(entries: list[CacheEntry], root: Path):
@@ -273,10 +274,8 @@ def _entries_table(entries: list[CacheEntry], root: Path):
     table = Table(title=f"{len(entries)} cached kernel{'s' if len(entries) != 1 else ''} in {root}")
     table.add_column("key", no_wrap=True)
     table.add_column("spec", overflow="fold")
-    table.add_column("arch", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("created", no_wrap=True)
-    table.add_column("last use", no_wrap=True)
+    for name in ("arch", "size", "created", "last use"):
+        table.add_column(name, no_wrap=True, justify="right" if name == "size" else "left")
     for entry in entries:
         meta = entry.meta
         created = datetime.fromtimestamp(meta["created"]).strftime("%Y-%m-%d %H:%M")
@@ -294,34 +293,29 @@ def cache_clear(
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Remove cached kernels: all of them (broken ones included), or those matching the filters."""
-    max_age = parse_duration(older_than) if older_than is not None else None
-    with _reporting_errors():
+    cutoff = time.time() - parse_duration(older_than) if older_than is not None else None
+    with _opened_cache(ctx, cache_dir) as cache:
         target = Arch.parse(arch).value if arch is not None else None
-        cutoff = time.time() - max_age if max_age is not None else None
 
         def matches(entry: CacheEntry) -> bool:
             if target is not None and entry.meta.get("arch") != target:
                 return False
             return cutoff is None or entry.meta["last_use"] < cutoff
 
-        with _open_cache(ctx, cache_dir) as cache:
-            filtered = target is not None or cutoff is not None
-            removed = cache.clear(predicate=matches if filtered else None)
-            root = cache.root
-    typer.echo(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}")
+        filtered = target is not None or cutoff is not None
+        removed = cache.clear(predicate=matches if filtered else None)
+    typer.echo(f"removed {_entries(removed)} from {cache.root}")
 
 
 @cache_app.command("verify")
 def cache_verify(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
     """Re-hash every cached file; exit 1 if any entry is broken."""
-    with _reporting_errors():
-        with _open_cache(ctx, cache_dir) as cache:
-            report = cache.verify()
-            root = cache.root
+    with _opened_cache(ctx, cache_dir) as cache:
+        report = cache.verify()
     broken = [(key, problem) for key, problem in report if problem is not None]
     for key, problem in broken:
         typer.echo(f"broken {key[:12]}: {problem}")
-    typer.echo(f"{len(report)} entr{'y' if len(report) == 1 else 'ies'} checked in {root}: "
+    typer.echo(f"{_entries(len(report))} checked in {cache.root}: "
                f"{len(report) - len(broken)} ok, {len(broken)} broken")
     if broken:
         raise typer.Exit(1)
@@ -334,10 +328,9 @@ def cache_export(
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Write every valid cached kernel into one archive, to ship to another machine."""
-    with _reporting_errors():
-        with _open_cache(ctx, cache_dir) as cache:
-            count = cache.export(archive)
-    typer.echo(f"exported {count} entr{'y' if count == 1 else 'ies'} to {archive}")
+    with _opened_cache(ctx, cache_dir) as cache:
+        count = cache.export(archive)
+    typer.echo(f"exported {_entries(count)} to {archive}")
 
 
 @cache_app.command("import")
@@ -347,11 +340,9 @@ def cache_import(
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Add the kernels of an exported archive to the cache (entries already present are kept)."""
-    with _reporting_errors():
-        with _open_cache(ctx, cache_dir) as cache:
-            count = cache.import_(archive)
-            root = cache.root
-    typer.echo(f"imported {count} entr{'y' if count == 1 else 'ies'} into {root}")
+    with _opened_cache(ctx, cache_dir) as cache:
+        count = cache.import_(archive)
+    typer.echo(f"imported {_entries(count)} into {cache.root}")
 
 
 # ----------------------------------------------------------------------------- warm
@@ -361,8 +352,7 @@ def warm_one(spec_file: str, arch: str, cache_dir: str) -> dict[str, Any]:
     try:
         result = fa4gen.build(load_spec(spec_file), arch, cache_dir=cache_dir, no_compile=False)
     except Exception as exc:  # every failure becomes a row of the report, never a crash
-        error = f"{type(exc).__name__}: {_first_line(exc)}"
-        return {"status": "failed", "seconds": time.perf_counter() - started, "error": error}
+        return {"status": "failed", "seconds": time.perf_counter() - started, "error": failure_reason(exc)}
     status = "compiled" if result.built_now else "cached"
     return {"status": status, "seconds": time.perf_counter() - started, "error": None}
 
@@ -409,9 +399,11 @@ def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[
         }
         try:
             for future in as_completed(futures):
-                index = futures[future]
-                results[index] = _job_result(future)
-                job = jobs[index]
+                index, job = futures[future], jobs[futures[future]]
+                try:
+                    results[index] = future.result()
+                except Exception as exc:  # the worker process itself died (killed, out of memory)
+                    results[index] = {"status": "failed", "seconds": 0.0, "error": failure_reason(exc)}
                 progress.update(task, advance=1, description=f"{job.spec_file.name} {job.arch}")
         except BaseException:  # e.g. Ctrl-C: do not start the jobs still queued
             for future in futures:
@@ -420,27 +412,17 @@ def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[
     return results
 
 
-def _job_result(future: Future) -> dict[str, Any]:
-    try:
-        return future.result()
-    except Exception as exc:  # the worker process itself died (killed, out of memory, ...)
-        return {"status": "failed", "seconds": 0.0, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
-
-
 def _warm_table(jobs: list[WarmJob], results: list[dict[str, Any]]):
     from rich.markup import escape
     from rich.table import Table
 
-    styles = {"compiled": "green", "cached": "cyan", "failed": "bold red"}
     table = Table(title="fa4gen warm")
-    table.add_column("spec", overflow="fold")
-    table.add_column("arch", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    table.add_column("seconds", justify="right", no_wrap=True)
-    table.add_column("reason", overflow="fold")
+    for name in ("spec", "arch", "status", "seconds", "reason"):
+        table.add_column(name, overflow="fold", no_wrap=name in ("arch", "status", "seconds"),
+                         justify="right" if name == "seconds" else "left")
     for job, result in zip(jobs, results):
         status = result["status"]
-        table.add_row(str(job.spec_file), job.arch, f"[{styles[status]}]{status}[/]",
+        table.add_row(str(job.spec_file), job.arch, f"[{_STATUS_STYLES[status]}]{status}[/]",
                       f"{result['seconds']:.2f}", escape(result["error"] or ""))
     return table
 
@@ -456,7 +438,7 @@ def warm_command(
 ) -> None:
     """Compile every spec under PATHS for every arch into the cache; exit 1 if any failed."""
     arches = _split_arches(arch)
-    root = Path(_cache_root(ctx, cache_dir)).expanduser().absolute()
+    root = _cache_root(ctx, cache_dir)
     spec_files = collect_spec_files(paths, exclude=root)
     if not spec_files:
         typer.echo(f"error: no spec files ({', '.join('*' + s for s in SPEC_SUFFIXES)}) under "
@@ -466,7 +448,7 @@ def warm_command(
     started = time.perf_counter()
     results = _run_jobs(work, root, min(jobs, len(work)))
     _console().print(_warm_table(work, results))
-    counts = {status: sum(r["status"] == status for r in results) for status in ("compiled", "cached", "failed")}
+    counts = {status: sum(r["status"] == status for r in results) for status in _STATUS_STYLES}
     typer.echo(f"{counts['compiled']} compiled, {counts['cached']} cached, {counts['failed']} failed "
                f"in {time.perf_counter() - started:.1f} s ({root})")
     if counts["failed"]:

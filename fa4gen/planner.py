@@ -103,6 +103,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     regs_total = 128 * (SM90_PRODUCER_REGS + SM90_CONSUMER_WARPGROUPS * SM90_CONSUMER_REGS)
     assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
     reasons = {
+        "arch": f"target {Arch.SM90A.value}: {caps.note}",
         "kernel": "warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups",
         "tile_m": f"{SM90_CONSUMER_WARPGROUPS} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
         "tile_n": tile_reason,

@@ -19,6 +19,10 @@ MIN_HEAD_DIM = 8
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8  # TMA moves rows in 16-byte units: 8 half-precision elements
 MAX_QHEAD_PER_KVHEAD = 256
+MAX_WINDOW = 2**30  # kernels index in int32: a window at least this long is the same as none
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+LOG2E = math.log2(math.e)
 
 _DTYPE_ALIASES = {
     "bfloat16": "bfloat16",
@@ -107,8 +111,10 @@ class AttentionSpec(BaseModel):
     @field_validator("window_left", "window_right")
     @classmethod
     def _window(cls, value: int | None, info: Any) -> int | None:
-        if value is not None and value < 0:
-            raise ValueError(f"{info.field_name}={value} is not allowed: use an integer >= 0, or null for no bound")
+        if value is not None and not 0 <= value <= MAX_WINDOW:
+            raise ValueError(
+                f"{info.field_name}={value} is not allowed: use an integer in 0..{MAX_WINDOW}, or null for no bound"
+            )
         return value
 
     @field_validator("softcap")
@@ -124,6 +130,21 @@ class AttentionSpec(BaseModel):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"softmax_scale={value} is not allowed: use a finite number > 0, or null for 1/sqrt(head_dim)")
         return value
+
+    @model_validator(mode="after")
+    def _float32_constants(self) -> AttentionSpec:
+        """The kernel folds the scale into float32 constants: they must be normal float32 numbers."""
+        if self.softcap is None:
+            constants = {"softmax_scale * log2(e)": self.scale * LOG2E}
+        else:
+            constants = {"softcap": self.softcap, "softmax_scale / softcap": self.scale / self.softcap}
+        for name, value in constants.items():
+            if not FLOAT32_MIN_NORMAL <= value <= FLOAT32_MAX:
+                raise ValueError(
+                    f"softmax_scale={self.softmax_scale}, softcap={self.softcap}: {name} = {value:g} is outside "
+                    f"the normal float32 range [{FLOAT32_MIN_NORMAL:g}, {FLOAT32_MAX:g}] the kernel computes in"
+                )
+        return self
 
     @model_validator(mode="after")
     def _causal_window(self) -> AttentionSpec:
@@ -161,9 +182,13 @@ class AttentionSpec(BaseModel):
         data = self.model_dump()
         data["head_dim_v"] = self.dv
         data["softmax_scale"] = self.scale
-        if self.causal:
-            data["window_right"] = None
+        data["causal"] = self.right_bound == 0
+        data["window_right"] = None if self.right_bound == 0 else self.window_right
         return data
+
+    def canonicalized(self) -> AttentionSpec:
+        """The equivalent spec with every default resolved (what artifacts are built from)."""
+        return AttentionSpec.model_validate(self.canonical())
 
     def canonical_json(self) -> str:
         return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))

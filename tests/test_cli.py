@@ -261,7 +261,8 @@ def test_cache_ls_shows_the_entry(built: Built) -> None:
     assert built.key[:13] not in result.stdout
     assert "1 cached kernel in" in result.stdout
     listed = json.loads(run("cache", "ls", "--json", "--cache-dir", built.cache).stdout)
-    assert [(row["key"], row["summary"], row["arch"]) for row in listed] == [(built.key, "bfloat16 d64", "sm_90a")]
+    rows = [(row["key"], row["summary"], row["arch"]) for row in listed]
+    assert rows == [(built.key, "bfloat16 d64", "sm_90a")]
 
 
 @pytest.mark.slow
@@ -288,9 +289,20 @@ def test_truncated_artifact_fails_verify_and_clear_removes_it(built: Built, cach
 
 
 @pytest.mark.slow
+def test_broken_entry_is_reported_as_a_warning_not_loaded(built: Built, cache_copy: Path) -> None:
+    (cache_copy / "entries" / built.key / "kernel.so").write_bytes(b"tampered")
+    result = run("compile", built.spec_file, "--no-compile", "--cache-dir", cache_copy)
+    assert result.exit_code == 1
+    warning, error = result.stderr.strip().splitlines()
+    assert warning.startswith(f"warning: fa4gen cache entry {built.key} ") and "kernel.so" in warning
+    assert error.startswith("error: no cached kernel") and "fa4gen warm" in error
+
+
+@pytest.mark.slow
 def test_clear_filters_by_arch_and_age(built: Built, cache_copy: Path) -> None:
-    assert run("cache", "clear", "--arch", "sm_100a", "--cache-dir", cache_copy).stdout.startswith("removed 0 ")
-    assert run("cache", "clear", "--older-than", "7d", "--cache-dir", cache_copy).stdout.startswith("removed 0 ")
+    for option, value in (("--arch", "sm_100a"), ("--older-than", "7d")):
+        result = run("cache", "clear", option, value, "--cache-dir", cache_copy)
+        assert result.exit_code == 0 and result.stdout.startswith("removed 0 entries"), result.output
     result = run("cache", "clear", "--arch", "sm_90a", "--older-than", "0s", "--cache-dir", cache_copy)
     assert result.stdout.startswith("removed 1 entry")
     assert fa4gen.KernelCache(cache_copy).entries() == []

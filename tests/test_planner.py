@@ -20,9 +20,6 @@ SMEM_LIMIT = CAPS.smem_bytes_per_cta
 HEAD_DIMS = tuple(range(8, 257, 8))
 TABLE_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256), (8, 8), (24, 200), (192, 192)]
 PLAN_FIELDS = tuple(name for name in Plan.model_fields if name != "reasons")
-# KNOWN GAP (reported, fa4gen/planner.py): `arch` is the only plan field without a reason; the
-# strict xfail test_every_field_including_arch_has_a_reason tracks it.
-FIELDS_WITHOUT_REASON_YET = frozenset({"arch"})
 
 
 def _spec(head_dim: int, head_dim_v: int, **extra) -> AttentionSpec:
@@ -68,17 +65,10 @@ def test_plan_table(head_dim, head_dim_v):
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
     assert 128 * (p.producer_regs + 2 * p.consumer_regs) <= 65536
     for name in PLAN_FIELDS:
-        if name in FIELDS_WITHOUT_REASON_YET:
-            continue
         assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"
     assert set(p.reasons) <= set(PLAN_FIELDS), "reasons for fields the plan does not have"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG fa4gen/planner.py _plan_sm90: the reasons dict has no entry for the `arch` field, "
-    "so Plan.describe() prints it with an empty reason. Remove this xfail when it is added.",
-)
 def test_every_field_including_arch_has_a_reason():
     p = plan(AttentionSpec(), "sm_90a")
     missing = [name for name in PLAN_FIELDS if not p.reasons.get(name, "").strip()]

@@ -5,10 +5,11 @@
 #   head_dim: 192
 #   head_dim_v: 128
 #   return_lse: true
+#   softmax_scale: 0.07216878364870323
 #
 # plan (sm_90a):
 #   plan for sm_90a (HopperAttentionForward)
-#     arch                       sm_90a
+#     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227

@@ -3,13 +3,15 @@
 # spec:
 #   causal: true
 #   head_dim: 256
+#   head_dim_v: 256
 #   qhead_per_kvhead: 2
 #   softcap: 50.0
+#   softmax_scale: 0.0625
 #   window_left: 4096
 #
 # plan (sm_90a):
 #   plan for sm_90a (HopperAttentionForward)
-#     arch                       sm_90a
+#     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     64         d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB

@@ -2,12 +2,14 @@
 #
 # spec:
 #   causal: true
+#   head_dim_v: 128
 #   qhead_per_kvhead: 4
+#   softmax_scale: 0.08838834764831843
 #   window_left: 4096
 #
 # plan (sm_90a):
 #   plan for sm_90a (HopperAttentionForward)
-#     arch                       sm_90a
+#     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        d128: 128x128 tiles, 2 stages fill 160 KB; S and O fit 240 registers

@@ -2,10 +2,12 @@
 #
 # spec:
 #   head_dim: 64
+#   head_dim_v: 64
+#   softmax_scale: 0.125
 #
 # plan (sm_90a):
 #   plan for sm_90a (HopperAttentionForward)
-#     arch                       sm_90a
+#     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        small d: 3 K/V stages (112 KB) hide load latency behind short MMAs
