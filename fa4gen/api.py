@@ -65,10 +65,16 @@ def build(
     cache_dir: str | Path | None = None,
     no_compile: bool | None = None,
     cache: KernelCache | None = None,
+    kernel_plan: Plan | None = None,
 ) -> BuildResult:
-    """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there."""
+    """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there.
+
+    ``kernel_plan`` replaces the planner's default (tuning compares candidate plans)."""
     target = require_supported(arch)
-    kernel_plan = plan(spec, target)
+    if kernel_plan is None:
+        kernel_plan = plan(spec, target)
+    elif kernel_plan.arch != target.value:
+        raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
     cache = cache or KernelCache(cache_dir)
     key = make_key(cache_key_parts(spec, kernel_plan, target))
     meta = {
@@ -104,6 +110,7 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     arch: Arch | str | None = None,
     cache_dir: str | Path | None = None,
     no_compile: bool | None = None,
+    kernel_plan: Plan | None = None,
 ) -> AttentionKernel:
     """A callable for ``spec`` on the current GPU: ``o = fa4gen.compile(spec)(q, k, v)``.
 
@@ -115,7 +122,7 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = KernelCache(cache_dir)
-    result = build(spec, target, no_compile=no_compile, cache=cache)
+    result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
     memo_key = (result.key, str(cache.root))
     with _loaded_lock:
         kernel = _loaded.get(memo_key)

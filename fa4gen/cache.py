@@ -269,8 +269,13 @@ class KernelCache:
         self._tmp, self._index_dir = self.root / "tmp", self.root / "index"
         self._index: Any = None
         self._index_unusable = False
-        if not os.path.isdir(self.root):
+        try:
             _mkdirs(self.root, 0o700)
+            if not os.path.isdir(self.root):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        except OSError as exc:
+            raise CacheError(f"cannot use {self.root} as the fa4gen cache directory ({exc}); set "
+                             f"{DEFAULT_ENV} to a directory you can write") from exc
         for path in (self.root, self._entries, self._index_dir):
             with contextlib.suppress(FileNotFoundError):
                 self._check_path(path, os.stat(path))

@@ -55,23 +55,25 @@ class Plan(BaseModel):
 @dataclass(frozen=True)
 class TileRow:
     max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
+    consumer_warpgroups: int
     tile_n: int
     kv_stages: int
+    pingpong: bool
     reason: str
 
 
-# sm_90a forward, 2 consumer warpgroups (tile_m = 128). Shared memory holds Q (128 x d) plus
-# kv_stages x (K tile + V tile); registers hold S (64 x tile_n) and O (64 x dv) per warpgroup.
+# sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
+# registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
-    TileRow(64, 128, 3, "small d: 3 K/V stages (112 KB) hide load latency behind short MMAs"),
-    TileRow(128, 128, 2, "d128: 128x128 tiles, 2 stages fill 160 KB; S and O fit 240 registers"),
-    TileRow(192, 128, 2, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
-    TileRow(256, 64, 2, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
+    TileRow(64, 3, 128, 2, True, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
+            "between softmaxes; S, P, O fit 160 registers"),
+    TileRow(128, 2, 128, 2, True, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
+    TileRow(192, 2, 128, 2, False, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
+    TileRow(256, 2, 64, 2, False, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
 )
 
-SM90_CONSUMER_WARPGROUPS = 2
-SM90_PRODUCER_REGS = 24
-SM90_CONSUMER_REGS = 240
+# (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) <= 64 K
+SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 
 
 def _round_up(value: int, granule: int) -> int:
@@ -89,7 +91,9 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
     dv = _round_up(spec.dv, MMA_K_GRANULE)
     row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
-    tile_m = WARPGROUP_MMA_M * SM90_CONSUMER_WARPGROUPS
+    warpgroups = row.consumer_warpgroups
+    producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
+    tile_m = WARPGROUP_MMA_M * warpgroups
     tile_n, stages = row.tile_n, row.kv_stages
     tile_reason = row.reason
     elem = 2
@@ -100,18 +104,18 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
             tile_n -= MMA_K_GRANULE
         tile_reason = f"{row.reason}; shrunk to fit {caps.smem_bytes_per_cta // 1024} KB of shared memory"
     smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem)
-    regs_total = 128 * (SM90_PRODUCER_REGS + SM90_CONSUMER_WARPGROUPS * SM90_CONSUMER_REGS)
+    regs_total = 128 * (producer_regs + warpgroups * consumer_regs)
     assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
     reasons = {
         "arch": f"target {Arch.SM90A.value}: {caps.note}",
         "kernel": "warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups",
-        "tile_m": f"{SM90_CONSUMER_WARPGROUPS} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
+        "tile_m": f"{warpgroups} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
         "tile_n": tile_reason,
         "kv_stages": tile_reason,
-        "num_consumer_warpgroups": "two MMA warpgroups share each K/V tile, halving loads per FLOP",
+        "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {row.reason}",
         "producer_regs": "the producer only issues TMA: give its registers to the consumers",
-        "consumer_regs": f"{SM90_CONSUMER_WARPGROUPS}x128 threads x {SM90_CONSUMER_REGS} + 128 x "
-        f"{SM90_PRODUCER_REGS} = {regs_total} <= {caps.registers_per_sm} registers",
+        "consumer_regs": f"{warpgroups}x128 threads x {consumer_regs} + 128 x "
+        f"{producer_regs} = {regs_total} <= {caps.registers_per_sm} registers",
         "head_dim_padded": f"wgmma K granule is {MMA_K_GRANULE}; TMA zero-fills the padding",
         "head_dim_v_padded": f"kept to a multiple of {MMA_K_GRANULE}; the store masks padded columns",
         "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)",
@@ -119,8 +123,11 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "tiles outside are neither loaded nor computed, and only boundary tiles run mask code"
         if spec.has_mask
         else "no structural mask: every key tile is used; only the ragged last tile is masked",
-        "intra_warpgroup_overlap": "not yet: softmax and the next Q.K^T run back to back",
-        "pingpong": "not yet: both consumer warpgroups run in lockstep",
+        "intra_warpgroup_overlap": "softmax of tile n runs while the tensor cores do P.V of tile n+1 "
+        "(S and P live together: fits the 240-register budget at every tile size in the table)",
+        "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
+        "overlaps another's MMAs" if row.pingpong else
+        "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
         "smem_bytes": f"Q + {stages} x (K + V) tiles + barriers, of {caps.smem_bytes_per_cta} available",
     }
     return Plan(
@@ -129,15 +136,15 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         tile_m=tile_m,
         tile_n=tile_n,
         kv_stages=stages,
-        num_consumer_warpgroups=SM90_CONSUMER_WARPGROUPS,
-        producer_regs=SM90_PRODUCER_REGS,
-        consumer_regs=SM90_CONSUMER_REGS,
+        num_consumer_warpgroups=warpgroups,
+        producer_regs=producer_regs,
+        consumer_regs=consumer_regs,
         head_dim_padded=dqk,
         head_dim_v_padded=dv,
         p_in_registers=True,
         skip_masked_tiles=spec.has_mask,
-        intra_warpgroup_overlap=False,
-        pingpong=False,
+        intra_warpgroup_overlap=True,
+        pingpong=row.pingpong,
         smem_bytes=smem,
         reasons=reasons,
     )

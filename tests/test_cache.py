@@ -163,6 +163,12 @@ def test_size_limit_parsing(monkeypatch, root):
         KernelCache(root)
 
 
+def test_root_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CacheError, match="cannot use .*file as the fa4gen cache directory"):
+        KernelCache(tmp_path / "file")
+
+
 def test_invalid_key_and_reserved_meta_rejected(root):
     cache = KernelCache(root)
     build = FakeBuild()
@@ -261,15 +267,16 @@ def test_sigkilled_build_leaves_no_entry_and_no_lock(root, tmp_path):
     key = key_of("killed")
     started = tmp_path / "started"
     proc = subprocess.Popen([sys.executable, str(WORKER), str(root), key, "--sleep", "60",
-                             "--started", str(started)], stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not started.exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
-        time.sleep(0.01)
-    assert not lock_is_free(root, key)  # the builder holds it while building
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    proc.stderr.close()
+                             "--started", str(started)])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "worker never built"
+            time.sleep(0.01)
+        assert not lock_is_free(root, key)  # the builder holds it while building
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     assert lock_is_free(root, key)
     assert listing(root / "entries") == []
@@ -569,8 +576,8 @@ def test_entries_merge_last_use_from_index(root):
         e.key: e.meta["created"] for e in fallback}
 
 
-def test_lru_eviction_keeps_recent_and_just_built(root):
-    probe = KernelCache(root / "probe")
+def test_lru_eviction_keeps_recent_and_just_built(root, tmp_path):
+    probe = KernelCache(tmp_path / "probe")
     per_entry = probe.get_or_build(key_of("probe"), META, FakeBuild(1000))[0].meta["size"]
     cache = KernelCache(root, size_limit=3 * per_entry)
     a, b, c, d, e = (key_of(x) for x in "abcde")
@@ -717,7 +724,7 @@ def test_module_does_not_import_torch_or_cutlass():
     # Load cache.py on its own (not through fa4gen/__init__), so only its own imports count.
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('cache_probe', {str(cache_mod.__file__)!r})\n"
+        "spec = importlib.util.spec_from_file_location('cache_probe', sys.argv[2])\n"
         "module = importlib.util.module_from_spec(spec)\n"
         "sys.modules['cache_probe'] = module\n"
         "spec.loader.exec_module(module)\n"
@@ -726,7 +733,8 @@ def test_module_does_not_import_torch_or_cutlass():
         "assert not bad, bad\n"
     )
     with tempfile.TemporaryDirectory() as root:
-        subprocess.run([sys.executable, "-c", code, root], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", code, root, cache_mod.__file__], check=True,
+                       timeout=60)
 
 
 def test_removed_lock_file_is_never_held_twice(root):
@@ -765,7 +773,8 @@ def test_removed_lock_file_is_never_held_twice(root):
 
 def test_import_rejects_duplicate_members(root, tmp_path):
     name = f"{key_of(1)}/kernel.so"
-    archive = make_archive(tmp_path / "dup.tar.gz", [file_member(name, b"a"), file_member(name, b"b")])
+    members = [file_member(name, b"a"), file_member(name, b"b")]
+    archive = make_archive(tmp_path / "dup.tar.gz", members)
     with pytest.raises(CacheError, match="duplicate"):
         KernelCache(root).import_(archive)
     assert listing(root / "tmp") == []

@@ -28,13 +28,11 @@ def rows_cols_view(tensor: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def convert_to_operand_a(acc: cute.Tensor, operand_layout: cute.Layout, dtype: cutlass.Constexpr) -> cute.Tensor:
-    """Round an fp32 C fragment to ``dtype`` laid out as the A operand of the next wgmma.
+def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor):
+    """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma.
 
     For 16-bit types the C fragment of an (M, N) product and the A fragment of an (M, K=N)
     product enumerate their registers in the same order, so conversion is element-wise.
     """
-    operand = cute.make_rmem_tensor(operand_layout, dtype)
     as_acc = cute.make_tensor(operand.iterator, acc.layout)
-    as_acc.store(acc.load().to(dtype))
-    return operand
+    as_acc.store(acc.load().to(operand.element_type))

@@ -19,17 +19,28 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from fa4gen.kernels.layout import convert_to_operand_a, rows_cols_view
+from fa4gen.kernels.layout import rows_cols_view, store_as_operand_a
 from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.softmax import OnlineSoftmax
 
 WARPGROUP_THREADS = 128
+TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
+
+
+class _MainLoop:
+    """Per-thread state of one query tile's main loop (fragments, pipelines, sizes).
+
+    A plain holder filled once before the loops; nothing assigns to it inside them."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
 
 
 class HopperAttentionForward:
@@ -54,8 +65,11 @@ class HopperAttentionForward:
         window_right: Optional[int],
         score_mod: Optional[Callable] = None,
         return_lse: bool = False,
+        intra_warpgroup_overlap: bool = True,
+        pingpong: bool = False,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
+        assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
         self.head_dim, self.head_dim_v = head_dim, head_dim_v
         self.dqk, self.dv = head_dim_padded, head_dim_v_padded
         self.qhead_per_kvhead = qhead_per_kvhead
@@ -64,6 +78,8 @@ class HopperAttentionForward:
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
         self.score_mod = score_mod
         self.return_lse = return_lse
+        self.overlap = intra_warpgroup_overlap
+        self.pingpong = pingpong and num_consumer_warpgroups > 1
         self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right)
         self.has_mask = window_left is not None or window_right is not None
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2)
@@ -91,13 +107,13 @@ class HopperAttentionForward:
 
         qk_mma, pv_mma = self._make_qk_mma(), self._make_pv_mma()
         sQ_layout = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.dqk), dtype, 1
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.dqk), dtype, 1
         )
         sK_layout = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.dqk), dtype, self.kv_stages
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.dqk), dtype, self.kv_stages
         )
         sV_layout = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.COL_MAJOR, (self.tile_m, self.dv, self.tile_n), dtype, self.kv_stages
+            LayoutEnum.COL_MAJOR, (self.tile_m, self.dv, self.tile_n), dtype, self.kv_stages
         )
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_q_t = cpasync.make_tiled_tma_atom(
@@ -165,7 +181,7 @@ class HopperAttentionForward:
         num_m_blocks = cute.arch.grid_dim()[0]
         m_block = num_m_blocks - 1 - bidx  # longest (causal) tiles first
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -182,14 +198,14 @@ class HopperAttentionForward:
         kv_head = head // self.qhead_per_kvhead
 
         if warpgroup_idx == 0:
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(
                     tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                     m_block, head, kv_head, batch, n_min, n_max,
                 )
         else:
-            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 qk_mma, pv_mma, sQ, sK, sV, pipe_q, pipe_k, pipe_v, mO, mLSE,
                 tidx - WARPGROUP_THREADS, m_block, head, batch,
@@ -260,67 +276,168 @@ class HopperAttentionForward:
     ):
         thr_qk = qk_mma.get_slice(ctidx)
         thr_pv = pv_mma.get_slice(ctidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.dv)))
         acc_o.fill(0.0)
         row_max, row_sum = self.softmax.make_state()
-        coords_s = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        p_layout = thr_pv.partition_shape_A((self.tile_m, self.tile_n))
         row_base = m_block * self.tile_m
-
         if n_max > n_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_q.consumer_wait(q_state)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
             # ACCUMULATE is fixed per MMA object outside the loops (setting it inside a loop
             # would leak a loop-local value): one object zero-fills S, the other accumulates.
-            mmas = (self._make_qk_mma(False), self._make_qk_mma(True), self._make_pv_mma(True))
-            ctx = (mmas, tSrQ, tSrK, tOrV, acc_o, row_max, row_sum, coords_s, p_layout,
-                   pipe_k, pipe_v, row_base, seqlen_q, seqlen_k)
-            for i in cutlass.range(n_max - split_hi, unroll=1):
-                kv_state = self.step(ctx, n_max - 1 - i, kv_state, True)
-            for i in cutlass.range(split_hi - split_lo, unroll=1):
-                kv_state = self.step(ctx, split_hi - 1 - i, kv_state, False)
-            if cutlass.const_expr(self.has_mask):
-                for i in cutlass.range(split_lo - n_min, unroll=1):
-                    kv_state = self.step(ctx, split_lo - 1 - i, kv_state, True)
+            loop = _MainLoop(
+                qk_first=self._make_qk_mma(False),
+                qk_rest=self._make_qk_mma(True),
+                pv=self._make_pv_mma(True),
+                tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+                tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+                tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV)),
+                coords_s=thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))),
+                p=cute.make_rmem_tensor(thr_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype),
+                acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
+                row_base=row_base, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                warpgroup=ctidx // WARPGROUP_THREADS,
+            )
+            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            self.mainloop(loop, n_min, split_lo, split_hi, n_max)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, mO, mLSE, row_base, head, batch, seqlen_q)
 
     @cute.jit
-    def step(self, ctx, n_block: Int32, kv_state, masked: cutlass.Constexpr):
-        """One key tile: S = Q.K^T, modify + mask + softmax, O += P.V."""
-        ((qk_first, qk_rest, pv_acc), tSrQ, tSrK, tOrV, acc_o, row_max, row_sum, coords_s, p_layout,
-         pipe_k, pipe_v, row_base, seqlen_q, seqlen_k) = ctx
-        acc_s = cute.make_rmem_tensor(coords_s.shape, Float32)
-        pipe_k.consumer_wait(kv_state)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(qk_first if kb == 0 else qk_rest, acc_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, kv_state.index], acc_s)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        pipe_k.consumer_release(kv_state)
+    def mainloop(self, loop, n_min: Int32, split_lo: Int32, split_hi: Int32, n_max: Int32):
+        """Key tiles from n_max-1 down to n_min. The first tile always runs the mask (it may hold
+        the diagonal or the ragged end of Sk); then masked / interior / masked runs."""
+        top = n_max - 1
+        count_hi = cutlass.max(top - split_hi, 0)
+        start_mid = cutlass.min(split_hi, top)
+        count_mid = cutlass.max(start_mid - split_lo, 0)
+        start_lo = cutlass.min(split_lo, top)
+        count_lo = cutlass.max(start_lo - n_min, 0)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        if cutlass.const_expr(self.overlap):
+            if cutlass.const_expr(self.pingpong):
+                if loop.warpgroup == self.num_consumers - 1:
+                    self.pass_turn(loop)  # the last warpgroup lets the first one start
+            k_state = self.first_tile(loop, top, k_state)
+            for i in cutlass.range(count_hi, unroll=1):
+                k_state, v_state = self.overlapped_tile(loop, top - 1 - i, k_state, v_state, True)
+            for i in cutlass.range(count_mid, unroll=1):
+                k_state, v_state = self.overlapped_tile(loop, start_mid - 1 - i, k_state, v_state, False)
+            if cutlass.const_expr(self.has_mask):
+                for i in cutlass.range(count_lo, unroll=1):
+                    k_state, v_state = self.overlapped_tile(loop, start_lo - 1 - i, k_state, v_state, True)
+            self.pv_product(loop, v_state)
+        else:
+            k_state = self.serial_tile(loop, top, k_state, True)
+            for i in cutlass.range(count_hi, unroll=1):
+                k_state = self.serial_tile(loop, top - 1 - i, k_state, True)
+            for i in cutlass.range(count_mid, unroll=1):
+                k_state = self.serial_tile(loop, start_mid - 1 - i, k_state, False)
+            if cutlass.const_expr(self.has_mask):
+                for i in cutlass.range(count_lo, unroll=1):
+                    k_state = self.serial_tile(loop, start_lo - 1 - i, k_state, True)
 
-        scores = rows_cols_view(acc_s)
+    @cute.jit
+    def wait_turn(self, loop):
+        """Ping-pong: block until the previous warpgroup has issued its MMAs."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=TURN_BARRIER_BASE + loop.warpgroup, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def pass_turn(self, loop):
+        """Ping-pong: let the next warpgroup issue (our MMAs are queued; our softmax runs
+        while its MMAs occupy the tensor cores)."""
+        if cutlass.const_expr(self.pingpong):
+            following = (loop.warpgroup + 1) % self.num_consumers
+            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + following, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def issue_qk(self, loop, acc_s: cute.Tensor, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(loop.tSrQ, mode=[2])):
+            mma = loop.qk_first if kb == 0 else loop.qk_rest
+            cute.gemm(mma, acc_s, loop.tSrQ[None, None, kb, 0], loop.tSrK[None, None, kb, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, loop, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(loop.p, mode=[2])):
+            cute.gemm(loop.pv, loop.acc_o, loop.p[None, None, kb], loop.tOrV[None, None, kb, stage], loop.acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def scores_to_probs(self, loop, acc_s: cute.Tensor, n_block: Int32, masked: cutlass.Constexpr) -> cute.Tensor:
+        """Score modifier, mask, online-softmax update; returns the per-row O correction."""
         if cutlass.const_expr(self.score_mod is not None):
             for j in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[j] = self.score_mod(acc_s[j])
+        scores = rows_cols_view(acc_s)
         if cutlass.const_expr(masked):
-            self.key_tiles.apply(scores, rows_cols_view(coords_s), row_base, n_block * self.tile_n,
-                                 seqlen_q, seqlen_k)
-        self.softmax.update(scores, rows_cols_view(acc_o), row_max, row_sum)
-        p = convert_to_operand_a(acc_s, p_layout, self.dtype)
+            self.key_tiles.apply(scores, rows_cols_view(loop.coords_s), loop.row_base, n_block * self.tile_n,
+                                 loop.seqlen_q, loop.seqlen_k)
+        return self.softmax.update(scores, loop.row_max, loop.row_sum)
 
-        pipe_v.consumer_wait(kv_state)
+    @cute.jit
+    def serial_tile(self, loop, n_block: Int32, k_state, masked: cutlass.Constexpr):
+        """S = Q.K^T; softmax; O += P.V, each waited for before the next."""
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
-            cute.gemm(pv_acc, acc_o, p[None, None, kb], tOrV[None, None, kb, kv_state.index], acc_o)
-        warpgroup.commit_group()
+        self.issue_qk(loop, acc_s, k_state.index)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
+        loop.pipe_k.consumer_release(k_state)
+        correction = self.scores_to_probs(loop, acc_s, n_block, masked)
+        self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
+        store_as_operand_a(acc_s, loop.p)
+        self.pv_product(loop, k_state)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def first_tile(self, loop, n_block: Int32, k_state):
+        """Overlapped schedule, prologue: S and P of the first tile; its P.V waits for the next."""
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
+        self.wait_turn(loop)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        self.pass_turn(loop)
+        warpgroup.wait_group(0)
+        loop.pipe_k.consumer_release(k_state)
+        self.scores_to_probs(loop, acc_s, n_block, True)  # O is still zero: no correction
+        store_as_operand_a(acc_s, loop.p)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def overlapped_tile(self, loop, n_block: Int32, k_state, v_state, masked: cutlass.Constexpr):
+        """Issue S(n) = Q.K^T and O += P(n+1).V(n+1) together; the softmax of S(n) runs while
+        the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        self.issue_pv(loop, v_state.index)
+        self.pass_turn(loop)
+        warpgroup.wait_group(1)
+        loop.pipe_k.consumer_release(k_state)
+        correction = self.scores_to_probs(loop, acc_s, n_block, masked)
+        warpgroup.wait_group(0)
+        loop.pipe_v.consumer_release(v_state)
+        self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
+        store_as_operand_a(acc_s, loop.p)
+        k_state.advance()
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def pv_product(self, loop, v_state):
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop)
+        warpgroup.fence()
+        self.issue_pv(loop, v_state.index)
+        self.pass_turn(loop)
+        warpgroup.wait_group(0)
+        loop.pipe_v.consumer_release(v_state)
 
     @cute.jit
     def epilogue(self, thr_pv, acc_o, row_max, row_sum, mO, mLSE, row_base, head, batch, seqlen_q):

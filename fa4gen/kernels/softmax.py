@@ -32,9 +32,11 @@ class OnlineSoftmax:
         return row_max, row_sum
 
     @cute.jit
-    def update(self, scores_mn: cute.Tensor, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
-        """Turn scores into unnormalised probabilities in place; rescale the output rows."""
+    def update(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return each row's correction,
+        the factor the output accumulated so far must be multiplied by (see ``rescale``)."""
         scale = Float32(self.scale_log2)
+        correction = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
             tile_max = scores_mn[r, 0]
             for c in cutlass.range_constexpr(1, cute.size(scores_mn, mode=[1])):
@@ -47,14 +49,19 @@ class OnlineSoftmax:
             if new_max == -Float32.inf:
                 safe_max = Float32(0.0)
             max_scaled = safe_max * scale
-            correction = cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
+            correction[r] = cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
             row_max[r] = new_max
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
                 scores_mn[r, c] = cute.math.exp2(scores_mn[r, c] * scale - max_scaled, fastmath=True)
             tile_sum = scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            row_sum[r] = row_sum[r] * correction + tile_sum
+            row_sum[r] = row_sum[r] * correction[r] + tile_sum
+        return correction
+
+    @cute.jit
+    def rescale(self, out_mn: cute.Tensor, correction: cute.Tensor):
+        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-                out_mn[r, c] = out_mn[r, c] * correction
+                out_mn[r, c] = out_mn[r, c] * correction[r]
 
     @cute.jit
     def finalize(self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor):
