@@ -33,7 +33,7 @@ class CompileError(RuntimeError):
 
 
 def fake_arguments(spec: AttentionSpec) -> list[Any]:
-    """Stand-ins for (q, k, v, o, lse, stream): symbolic B, S, H; static head dims."""
+    """Stand-ins for (q, k, v, o, lse, num_ctas, stream): symbolic B, S, H; static head dims."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -54,7 +54,8 @@ def fake_arguments(spec: AttentionSpec) -> list[Any]:
             assumed_align=4,
         )
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, stream]
+    num_ctas = cutlass.Int32(1)  # a run-time scalar: the SM count of the device it runs on
+    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, num_ctas, stream]
 
 
 def import_source(path: Path, module_name: str):

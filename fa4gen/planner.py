@@ -38,6 +38,8 @@ class Plan(BaseModel):
     skip_masked_tiles: bool  # key tiles that a mask empties are never loaded nor computed
     intra_warpgroup_overlap: bool
     pingpong: bool
+    persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
+    separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
     smem_bytes: int
     reasons: dict[str, str]
 
@@ -80,10 +82,14 @@ def _round_up(value: int, granule: int) -> int:
     return (value + granule - 1) // granule * granule
 
 
-def sm90_smem_bytes(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int) -> int:
+def sm90_smem_bytes(
+    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool
+) -> int:
+    """Q tile + K/V ring + (when separate) the O staging buffer."""
     q = tile_m * dqk
+    o = tile_m * dv if separate_o else 0
     kv = stages * tile_n * (dqk + dv)
-    return (q + kv) * elem_bytes + SMEM_RESERVE_BYTES
+    return (q + o + kv) * elem_bytes + SMEM_RESERVE_BYTES
 
 
 def _plan_sm90(spec: AttentionSpec) -> Plan:
@@ -97,13 +103,17 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     tile_n, stages = row.tile_n, row.kv_stages
     tile_reason = row.reason
     elem = 2
-    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem) > caps.smem_bytes_per_cta:
+    limit = caps.smem_bytes_per_cta
+    # dv > d: O cannot be staged over Q's rows, so it always gets its own buffer
+    must_separate = dv > dqk
+    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, must_separate) > limit:
         if stages > 2:
             stages -= 1
         else:
             tile_n -= MMA_K_GRANULE
-        tile_reason = f"{row.reason}; shrunk to fit {caps.smem_bytes_per_cta // 1024} KB of shared memory"
-    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem)
+        tile_reason = f"{row.reason}; shrunk to fit {limit // 1024} KB of shared memory"
+    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True) <= limit
+    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o)
     regs_total = 128 * (producer_regs + warpgroups * consumer_regs)
     assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
     reasons = {
@@ -128,7 +138,15 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
         "overlaps another's MMAs" if row.pingpong else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
-        "smem_bytes": f"Q + {stages} x (K + V) tiles + barriers, of {caps.smem_bytes_per_cta} available",
+        "persistent": "one CTA per SM loops over tiles: the producer loads the next tile while "
+        "consumers store this one" if not spec.has_mask else
+        "one CTA per tile, heaviest (longest causal/window) tiles first: the hardware hands tiles "
+        "to free SMs, which balances uneven tiles better than a static persistent order",
+        "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
+        "next tile's Q loads during this tile's epilogue" if separate_o else
+        "no room for an O buffer: O is staged over each warpgroup's own Q rows",
+        "smem_bytes": f"Q {'+ O ' if separate_o else ''}+ {stages} x (K + V) tiles + barriers, of "
+        f"{caps.smem_bytes_per_cta} available",
     }
     return Plan(
         arch=Arch.SM90A.value,
@@ -145,6 +163,8 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         skip_masked_tiles=spec.has_mask,
         intra_warpgroup_overlap=True,
         pingpong=row.pingpong,
+        persistent=not spec.has_mask,
+        separate_o_smem=separate_o,
         smem_bytes=smem,
         reasons=reasons,
     )

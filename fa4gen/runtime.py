@@ -88,8 +88,21 @@ class AttentionKernel:
             else:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
         if out.numel() > 0:
-            self._function(q, k, v, out, lse)
+            self._function(q, k, v, out, lse, multiprocessor_count(q.device))
         return (out, lse) if self.spec.return_lse else out
+
+
+@lru_cache(maxsize=None)
+def _multiprocessor_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device) -> int:
+    """SMs of ``device``: how many CTAs a persistent kernel launches (queried at call time, so
+    the compiled artifact itself stays machine-independent)."""
+    return _multiprocessor_count(device.index if device.index is not None else 0)
 
 
 def _torch_dtype(name: str):

@@ -30,7 +30,7 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     """Everything that must hold for any sm_90a plan."""
     assert p.arch == "sm_90a"
     assert p.kernel == "HopperAttentionForward"
-    assert p.tile_m == 128
+    assert p.tile_m == 64 * p.num_consumer_warpgroups
     assert p.tile_m == 64 * p.num_consumer_warpgroups
     assert p.tile_n % 16 == 0 and 16 <= p.tile_n <= 256
     assert p.kv_stages >= 2
@@ -38,7 +38,9 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     assert p.head_dim_v_padded % MMA_K_GRANULE == 0 and p.head_dim_v_padded >= spec.dv
     assert p.head_dim_padded - spec.head_dim < MMA_K_GRANULE  # padded to the next granule only
     assert p.head_dim_v_padded - spec.dv < MMA_K_GRANULE
-    expected_smem = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
+    expected_smem = sm90_smem_bytes(
+        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem
+    )
     assert p.smem_bytes == expected_smem
     assert p.smem_bytes <= SMEM_LIMIT
     threads_per_warpgroup = 128
@@ -58,12 +60,14 @@ def test_plan_table(head_dim, head_dim_v):
     spec = _spec(head_dim, head_dim_v)
     p = plan(spec, "sm_90a")
     check_plan_invariants(spec, p)
-    assert p.tile_m == 128
+    assert p.tile_m == 64 * p.num_consumer_warpgroups
+    assert p.num_consumer_warpgroups == (3 if max(p.head_dim_padded, p.head_dim_v_padded) <= 64 else 2)
     assert p.tile_n % 16 == 0 and p.tile_n <= 256
     assert p.kv_stages >= 2
-    assert p.smem_bytes == sm90_smem_bytes(128, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
-    assert 128 * (p.producer_regs + 2 * p.consumer_regs) <= 65536
+    # O gets its own buffer whenever it fits, and always when it cannot sit over Q (dv > d)
+    with_o = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True)
+    assert p.separate_o_smem == (with_o <= SMEM_LIMIT or p.head_dim_v_padded > p.head_dim_padded)
     for name in PLAN_FIELDS:
         assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"
     assert set(p.reasons) <= set(PLAN_FIELDS), "reasons for fields the plan does not have"
@@ -77,22 +81,22 @@ def test_every_field_including_arch_has_a_reason():
 
 @pytest.mark.parametrize(
     "head_dim, head_dim_v, tile_n, kv_stages",
-    [(128, 128, 128, 2), (64, 64, 128, 3), (256, 256, 64, 2), (192, 128, 128, 2)],
+    [(128, 128, 128, 2), (64, 64, 128, 2), (256, 256, 64, 2), (192, 128, 128, 2)],
 )
 def test_plan_exact_main_rows(head_dim, head_dim_v, tile_n, kv_stages):
     p = plan(_spec(head_dim, head_dim_v), "sm_90a")
     assert (p.tile_n, p.kv_stages) == (tile_n, kv_stages)
     assert (p.head_dim_padded, p.head_dim_v_padded) == (head_dim, head_dim_v)
     assert p.p_in_registers is True
-    assert p.num_consumer_warpgroups == 2
+    assert p.num_consumer_warpgroups == (3 if head_dim <= 64 else 2)
 
 
 def test_plan_d192_d192_shrinks_to_fit():
     # Q + 2 x 128-key K/V tiles at d192/192 is 241 KB > 227 KB: the planner must shrink tile_n
     p = plan(_spec(192, 192), "sm_90a")
-    assert sm90_smem_bytes(128, 128, 2, 192, 192, 2) > SMEM_LIMIT
+    assert sm90_smem_bytes(128, 128, 2, 192, 192, 2, False) > SMEM_LIMIT
     assert p.tile_n < 128 and p.kv_stages == 2
-    assert sm90_smem_bytes(128, p.tile_n + MMA_K_GRANULE, 2, 192, 192, 2) > SMEM_LIMIT  # largest that fits
+    assert sm90_smem_bytes(128, p.tile_n + MMA_K_GRANULE, 2, 192, 192, 2, False) > SMEM_LIMIT  # largest that fits
     assert "shrunk" in p.reasons["tile_n"]
 
 
@@ -119,7 +123,7 @@ def test_exhaustive_head_dim_pairs_fit():
             p = plan(spec, "sm_90a")
             check_plan_invariants(spec, p)
             seen_tiles.add((p.tile_n, p.kv_stages))
-    assert {(128, 3), (128, 2), (64, 2)} <= seen_tiles
+    assert {(128, 2), (64, 2)} <= seen_tiles
 
 
 def test_plan_depends_on_dims_not_on_variant_flags():

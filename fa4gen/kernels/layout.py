@@ -28,11 +28,20 @@ def rows_cols_view(tensor: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
+def convert_into(src: cute.Tensor, dst: cute.Tensor):
+    """dst[i] = src[i] rounded to dst's type, element by element.
+
+    Element-wise on purpose: converting a whole fragment as one vector value (``.load().to()``)
+    materialises it and spilled 128-register O fragments at d=256."""
+    for i in cutlass.range_constexpr(cute.size(src)):
+        dst[i] = src[i].to(dst.element_type)
+
+
+@cute.jit
 def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor):
     """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma.
 
     For 16-bit types the C fragment of an (M, N) product and the A fragment of an (M, K=N)
     product enumerate their registers in the same order, so conversion is element-wise.
     """
-    as_acc = cute.make_tensor(operand.iterator, acc.layout)
-    as_acc.store(acc.load().to(operand.element_type))
+    convert_into(acc, cute.make_tensor(operand.iterator, acc.layout))

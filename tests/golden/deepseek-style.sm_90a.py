@@ -14,15 +14,17 @@
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
 #     kv_stages                  2          d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
-#     num_consumer_warpgroups    2          two MMA warpgroups share each K/V tile, halving loads per FLOP
+#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
 #     head_dim_padded            192        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
-#     intra_warpgroup_overlap    False      not yet: softmax and the next Q.K^T run back to back
-#     pingpong                   False      not yet: both consumer warpgroups run in lockstep
+#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
+#     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
+#     persistent                 False      one CTA per tile, heaviest (longest causal/window) tiles first: the hardware hands tiles to free SMs, which balances uneven tiles better than a static persistent order
+#     separate_o_smem            False      no room for an O buffer: O is staged over each warpgroup's own Q rows
 #     smem_bytes                 214016     Q + 2 x (K + V) tiles + barriers, of 232448 available
 import cutlass
 import cutlass.cute as cute
@@ -53,4 +55,8 @@ def make_kernel() -> HopperAttentionForward:
         window_right=0,
         score_mod=SCORE_MOD,
         return_lse=True,
+        intra_warpgroup_overlap=True,
+        pingpong=False,
+        persistent=False,
+        separate_o_smem=False,
     )

@@ -9,19 +9,21 @@
 #   plan for sm_90a (HopperAttentionForward)
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
-#     tile_m                     128        2 consumer warpgroups x 64 rows each
-#     tile_n                     128        small d: 3 K/V stages (112 KB) hide load latency behind short MMAs
-#     kv_stages                  3          small d: 3 K/V stages (112 KB) hide load latency behind short MMAs
-#     num_consumer_warpgroups    2          two MMA warpgroups share each K/V tile, halving loads per FLOP
-#     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     tile_m                     192        3 consumer warpgroups x 64 rows each
+#     tile_n                     128        small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
+#     kv_stages                  2          small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
+#     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
+#     producer_regs              32         the producer only issues TMA: give its registers to the consumers
+#     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers
 #     head_dim_padded            64         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          64         kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
 #     skip_masked_tiles          False      no structural mask: every key tile is used; only the ragged last tile is masked
-#     intra_warpgroup_overlap    False      not yet: softmax and the next Q.K^T run back to back
-#     pingpong                   False      not yet: both consumer warpgroups run in lockstep
-#     smem_bytes                 115712     Q + 3 x (K + V) tiles + barriers, of 232448 available
+#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
+#     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
+#     persistent                 True       one CTA per SM loops over tiles: the producer loads the next tile while consumers store this one
+#     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
+#     smem_bytes                 115712     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -40,15 +42,19 @@ def make_kernel() -> HopperAttentionForward:
         head_dim_padded=64,
         head_dim_v_padded=64,
         qhead_per_kvhead=1,
-        tile_m=128,
+        tile_m=192,
         tile_n=128,
-        kv_stages=3,
-        num_consumer_warpgroups=2,
-        producer_regs=24,
-        consumer_regs=240,
+        kv_stages=2,
+        num_consumer_warpgroups=3,
+        producer_regs=32,
+        consumer_regs=160,
         scale_log2=SCALE_LOG2,
         window_left=None,
         window_right=None,
         score_mod=SCORE_MOD,
         return_lse=False,
+        intra_warpgroup_overlap=True,
+        pingpong=True,
+        persistent=True,
+        separate_o_smem=True,
     )

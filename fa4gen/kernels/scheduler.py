@@ -1,0 +1,34 @@
+"""Which (query tile, head, batch) a CTA works on, for one-shot and persistent launches.
+
+Tiles are numbered 0..num_tiles-1 and CTA b takes tiles b, b + grid, b + 2*grid, ... A launch
+with one CTA per tile is the special case grid = num_tiles. The numbering decides the order:
+- ``heavy_first`` (causal / windowed masks, where work per query tile differs): the query tile
+  index is the slowest digit, counted from the end of the sequence, so the longest tiles of every
+  head start first and short ones fill the tail (longest-processing-time-first).
+- otherwise the query tile is the fastest digit: CTAs running together share one head's K/V in L2.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+class TileScheduler:
+    def __init__(self, heavy_first: bool):
+        self.heavy_first = heavy_first
+
+    @cute.jit
+    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32):
+        """tile index -> (m_block, head, batch)."""
+        m_block = Int32(0)
+        head_batch = Int32(0)
+        if cutlass.const_expr(self.heavy_first):
+            heads_batches = num_heads * num_batches
+            m_block = num_m_blocks - 1 - tile // heads_batches
+            head_batch = tile % heads_batches
+        else:
+            m_block = tile % num_m_blocks
+            head_batch = tile // num_m_blocks
+        return m_block, head_batch % num_heads, head_batch // num_heads

@@ -1,0 +1,184 @@
+"""The consumer warpgroup's main loop on Hopper: S = Q.K^T, softmax, O += P.V over key tiles.
+
+Two schedules, chosen by the plan:
+- serial: each MMA is waited for before the softmax that needs it;
+- overlapped (FA3's intra-warpgroup overlap): S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
+  together, and the softmax of S(n) runs while the tensor cores finish P.V.
+With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
+warpgroup's softmax fills the time another's MMAs hold the tensor cores.
+
+Key tiles run from the highest down: the first tile always runs the mask (it may hold the
+diagonal or the ragged end of Sk), then masked / interior / masked runs (see masking.py).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from fa4gen.kernels.layout import rows_cols_view, store_as_operand_a
+
+WARPGROUP_THREADS = 128
+TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
+
+
+class MainLoopState:
+    """Per-thread fragments and pipelines of one consumer warpgroup, fixed for the whole kernel.
+
+    A plain holder filled once before any loop; nothing assigns to it inside one (a value made
+    inside a staged loop must not escape it)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class Sm90MainLoop:
+    """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
+    pingpong, has_left_mask, score_mod, key_tiles, softmax."""
+
+    @cute.jit
+    def mainloop(self, loop, tile, k_state, v_state):
+        """All key tiles of one query tile; returns the advanced K and V pipeline states."""
+        n_min, split_lo, split_hi, n_max = tile.n_min, tile.split_lo, tile.split_hi, tile.n_max
+        top = n_max - 1
+        count_hi = cutlass.max(top - split_hi, 0)
+        start_mid = cutlass.min(split_hi, top)
+        count_mid = cutlass.max(start_mid - split_lo, 0)
+        start_lo = cutlass.min(split_lo, top)
+        count_lo = cutlass.max(start_lo - n_min, 0)
+        if cutlass.const_expr(self.overlap):
+            k_state = self.first_tile(loop, tile, top, k_state)
+            for i in cutlass.range(count_hi, unroll=1):
+                k_state, v_state = self.overlapped_tile(loop, tile, top - 1 - i, k_state, v_state, True)
+            for i in cutlass.range(count_mid, unroll=1):
+                k_state, v_state = self.overlapped_tile(loop, tile, start_mid - 1 - i, k_state, v_state, False)
+            if cutlass.const_expr(self.has_left_mask):
+                for i in cutlass.range(count_lo, unroll=1):
+                    k_state, v_state = self.overlapped_tile(loop, tile, start_lo - 1 - i, k_state, v_state, True)
+            v_state = self.pv_product(loop, v_state)
+        else:
+            k_state = self.serial_tile(loop, tile, top, k_state, True)
+            for i in cutlass.range(count_hi, unroll=1):
+                k_state = self.serial_tile(loop, tile, top - 1 - i, k_state, True)
+            for i in cutlass.range(count_mid, unroll=1):
+                k_state = self.serial_tile(loop, tile, start_mid - 1 - i, k_state, False)
+            if cutlass.const_expr(self.has_left_mask):
+                for i in cutlass.range(count_lo, unroll=1):
+                    k_state = self.serial_tile(loop, tile, start_lo - 1 - i, k_state, True)
+            v_state = k_state.clone()
+        return k_state, v_state
+
+    # ------------------------------------------------------------------ ping-pong turns
+    @cute.jit
+    def wait_turn(self, wg: Int32):
+        """Block until the previous warpgroup has issued its MMAs."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=TURN_BARRIER_BASE + wg, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def pass_turn(self, wg: Int32):
+        """Let the next warpgroup issue its MMAs (ours are queued)."""
+        if cutlass.const_expr(self.pingpong):
+            following = (wg + 1) % self.num_consumers
+            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + following, number_of_threads=2 * WARPGROUP_THREADS)
+
+    # ------------------------------------------------------------------ MMAs
+    @cute.jit
+    def issue_qk(self, loop, acc_s: cute.Tensor, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(loop.tSrQ, mode=[2])):
+            mma = loop.qk_first if kb == 0 else loop.qk_rest
+            cute.gemm(mma, acc_s, loop.tSrQ[None, None, kb], loop.tSrK[None, None, kb, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, loop, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(loop.p, mode=[2])):
+            cute.gemm(loop.pv, loop.acc_o, loop.p[None, None, kb], loop.tOrV[None, None, kb, stage], loop.acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked: cutlass.Constexpr):
+        """Score modifier, mask, online-softmax update; returns the per-row O correction."""
+        if cutlass.const_expr(self.score_mod is not None):
+            for j in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[j] = self.score_mod(acc_s[j])
+        scores = rows_cols_view(acc_s)
+        if cutlass.const_expr(masked):
+            self.key_tiles.apply(scores, rows_cols_view(loop.coords_s), tile.row_base, n_block * self.tile_n,
+                                 loop.seqlen_q, loop.seqlen_k)
+        return self.softmax.update(scores, loop.row_max, loop.row_sum)
+
+    # ------------------------------------------------------------------ one key tile
+    @cute.jit
+    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked: cutlass.Constexpr):
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        warpgroup.wait_group(0)
+        loop.pipe_k.consumer_release(k_state)
+        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
+        self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
+        store_as_operand_a(acc_s, loop.p)
+        loop.pipe_v.consumer_wait(k_state)
+        warpgroup.fence()
+        self.issue_pv(loop, k_state.index)
+        warpgroup.wait_group(0)
+        loop.pipe_v.consumer_release(k_state)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def first_tile(self, loop, tile, n_block: Int32, k_state):
+        """Overlapped schedule, prologue: S and P of the first tile; its P.V waits for the next."""
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
+        self.wait_turn(loop.warpgroup)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        self.pass_turn(loop.warpgroup)
+        warpgroup.wait_group(0)
+        loop.pipe_k.consumer_release(k_state)
+        self.scores_to_probs(loop, tile, acc_s, n_block, True)  # O is still zero: no correction
+        store_as_operand_a(acc_s, loop.p)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def overlapped_tile(self, loop, tile, n_block: Int32, k_state, v_state, masked: cutlass.Constexpr):
+        """Issue S(n) = Q.K^T and O += P(n+1).V(n+1) together; the softmax of S(n) runs while
+        the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
+        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
+        loop.pipe_k.consumer_wait(k_state)
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop.warpgroup)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        self.issue_pv(loop, v_state.index)
+        self.pass_turn(loop.warpgroup)
+        warpgroup.wait_group(1)
+        loop.pipe_k.consumer_release(k_state)
+        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
+        warpgroup.wait_group(0)
+        loop.pipe_v.consumer_release(v_state)
+        self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
+        store_as_operand_a(acc_s, loop.p)
+        k_state.advance()
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def pv_product(self, loop, v_state):
+        """Overlapped schedule, epilogue: the last tile's P.V."""
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop.warpgroup)
+        warpgroup.fence()
+        self.issue_pv(loop, v_state.index)
+        self.pass_turn(loop.warpgroup)
+        warpgroup.wait_group(0)
+        loop.pipe_v.consumer_release(v_state)
+        v_state.advance()
+        return v_state
