@@ -15,7 +15,7 @@ from typing import Any
 
 from fa4gen import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
-from fa4gen.cache import CacheEntry, KernelCache, make_key
+from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
 from fa4gen.planner import Plan, plan
 from fa4gen.runtime import AttentionKernel, load_function
@@ -101,7 +101,17 @@ def build(
 
 
 _loaded: dict[tuple[str, str], AttentionKernel] = {}
+_caches: dict[str, KernelCache] = {}
 _loaded_lock = threading.Lock()
+
+
+def _process_cache(cache_dir: str | Path | None) -> KernelCache:
+    """One KernelCache per root for the process: repeated compile() calls reuse its open index."""
+    root = str(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root())
+    with _loaded_lock:
+        if root not in _caches:
+            _caches[root] = KernelCache(root)
+        return _caches[root]
 
 
 def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
@@ -121,7 +131,7 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
-    cache = KernelCache(cache_dir)
+    cache = _process_cache(cache_dir)
     result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
     memo_key = (result.key, str(cache.root))
     with _loaded_lock:

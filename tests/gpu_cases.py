@@ -36,3 +36,37 @@ def example_specs() -> dict[str, AttentionSpec]:
     """What examples/quickstart.py compiles on a GPU."""
     spec = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, dtype="bfloat16")
     return {"quickstart": spec, "quickstart+lse": spec.model_copy(update={"return_lse": True})}
+
+
+def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
+    """Each plan option flipped away from the planner's default, on a spec that exercises it:
+    the GPU tests run every one of these paths against the reference."""
+    import fa4gen
+    from fa4gen.arch import Arch
+    from fa4gen.planner import SM90_REGISTER_SPLIT, sm90_smem_bytes
+
+    cases = {}
+    for name, spec in {
+        "d128-causal": AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True),
+        "d64-window": AttentionSpec(head_dim=64, window_left=200, window_right=30, return_lse=True),
+        "d256-softcap": AttentionSpec(head_dim=256, softcap=30.0, return_lse=True),
+    }.items():
+        base = fa4gen.plan(spec, "sm_90a")
+        other_wgs = 5 - base.num_consumer_warpgroups  # 2 <-> 3
+        producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other_wgs]
+        flips = {
+            "serial": {"intra_warpgroup_overlap": False, "pingpong": False},
+            "pingpong": {"pingpong": not base.pingpong},
+            "persistent": {"persistent": not base.persistent},
+            "o-staging": {"separate_o_smem": not base.separate_o_smem},
+            "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
+                           "producer_regs": producer_regs, "consumer_regs": consumer_regs},
+        }
+        for flip, update in flips.items():
+            p = base.model_copy(update=update)
+            fits = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded,
+                                   2, p.separate_o_smem) <= Arch.SM90A.caps.smem_bytes_per_cta
+            registers_fit = p.num_consumer_warpgroups == 2 or p.head_dim_v_padded <= 64
+            if fits and registers_fit:
+                cases[f"{name}/{flip}"] = (spec, p)
+    return cases

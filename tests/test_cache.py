@@ -551,7 +551,7 @@ def test_index_deleted_or_corrupt_is_not_fatal(root):
     assert all(cache.lookup(k) is not None for k in keys)  # same instance, index gone under it
     assert all(KernelCache(root).lookup(k) is not None for k in keys)
     cache.close()
-    shutil.rmtree(root / "index")
+    shutil.rmtree(root / "index", ignore_errors=True)  # hits no longer rewrite the index
     (root / "index").mkdir()
     (root / "index" / "cache.db").write_bytes(b"this is not a sqlite database" * 100)
     fresh = KernelCache(root)
@@ -571,9 +571,9 @@ def test_entries_merge_last_use_from_index(root):
     assert listed[0].meta["last_use"] == pytest.approx(used)
     assert listed[0].meta["name"] == "a" and listed[0].meta["size"] > 0
     shutil.rmtree(root / "index")
-    fallback = KernelCache(root).entries()
-    assert {e.key: e.meta["last_use"] for e in fallback} == {
-        e.key: e.meta["created"] for e in fallback}
+    fallback = KernelCache(root).entries()  # hits mark the entry directory: order survives
+    assert [e.key for e in fallback] == [first, second]
+    assert all(e.meta["last_use"] >= e.meta["created"] for e in fallback)
 
 
 def test_lru_eviction_keeps_recent_and_just_built(root, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import SHAPES, gpu_specs
+from gpu_cases import SHAPES, gpu_specs, plan_option_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -98,3 +98,24 @@ def test_rejects_cpu_tensors_and_bad_heads_before_launch():
     with pytest.raises(ValueError, match="dtype"):
         attn(q.float(), k, v)
     torch.cuda.synchronize()
+
+
+OPTION_CASES = plan_option_cases()
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17)], ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(OPTION_CASES))
+def test_plan_option_paths(name, shape):
+    """Every plan option away from its default (serial schedule, ping-pong, persistence, O
+    staging, warpgroup count) still matches the reference."""
+    import torch
+
+    spec, kernel_plan = OPTION_CASES[name]
+    attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
+    assert attn.plan == kernel_plan
+    q, k, v = _inputs(spec, *shape, seed=11)
+    out = torch.full((shape[0], shape[1], q.shape[2], spec.dv), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((shape[0], q.shape[2], shape[1]), float("nan"), device="cuda", dtype=torch.float32)
+    attn(q, k, v, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert_close_to_reference(spec, q, k, v, out, lse)

@@ -12,13 +12,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fa4gen  # noqa: E402
-from gpu_cases import example_specs, gpu_specs  # noqa: E402
+from gpu_cases import example_specs, gpu_specs, plan_option_cases  # noqa: E402
 
 
 def main(cache_dir: str) -> None:
     for name, spec in {**gpu_specs(), **example_specs()}.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
+        state = "compiled" if result.built_now else "cached"
+        print(f"{name:28} {state:8} {time.perf_counter() - started:6.2f} s  {result.key[:12]}", flush=True)
+    for name, (spec, plan) in plan_option_cases().items():
+        started = time.perf_counter()
+        result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir, kernel_plan=plan)
         state = "compiled" if result.built_now else "cached"
         print(f"{name:28} {state:8} {time.perf_counter() - started:6.2f} s  {result.key[:12]}", flush=True)
 
