@@ -165,7 +165,15 @@ def _sdpa(spec: AttentionSpec, backend_name: str) -> Callable | None:
 
 def _flex(spec: AttentionSpec, case: BenchCase) -> Callable | None:
     import torch
+    import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # every grid cell is a new shape: past dynamo's default of 8 recompiles it would silently
+    # fall back to eager FlexAttention (an order of magnitude slower), so raise the limits
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 8192
+    )
 
     left, right = spec.left_bound, spec.right_bound
 

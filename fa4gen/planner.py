@@ -138,10 +138,9 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
         "overlaps another's MMAs" if row.pingpong else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
-        "persistent": "one CTA per SM loops over tiles: the producer loads the next tile while "
-        "consumers store this one" if not spec.has_mask else
-        "one CTA per tile, heaviest (longest causal/window) tiles first: the hardware hands tiles "
-        "to free SMs, which balances uneven tiles better than a static persistent order",
+        "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
+        "consumers finish this one" + ("; causal/window tiles go heaviest first in a snake order "
+        "that pairs heavy and light tiles per CTA" if spec.has_mask else ""),
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
         "next tile's Q loads during this tile's epilogue" if separate_o else
         "no room for an O buffer: O is staged over each warpgroup's own Q rows",
@@ -163,7 +162,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         skip_masked_tiles=spec.has_mask,
         intra_warpgroup_overlap=True,
         pingpong=row.pingpong,
-        persistent=not spec.has_mask,
+        persistent=True,
         separate_o_smem=separate_o,
         smem_bytes=smem,
         reasons=reasons,

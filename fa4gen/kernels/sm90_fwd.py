@@ -246,42 +246,53 @@ class HopperAttentionForward(Sm90MainLoop):
     def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes):
         """One warp: per tile, the first K tile, then Q (waits for the consumers to free it: K can
         run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first."""
-        pipe_q, pipe_k, pipe_v = pipes
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        grid = cute.arch.grid_dim()[0]
+        for round_ in cutlass.range(cute.ceil_div(sizes.num_tiles, grid), unroll=1):
+            tile = self.scheduler.tile_of(round_, cute.arch.block_idx()[0], grid)
+            if tile < sizes.num_tiles:
+                kv_state, q_state = self.produce_tile(
+                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile, kv_state, q_state
+                )
+
+    @cute.jit
+    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile: Int32,
+                     kv_state, q_state):
+        pipe_q, pipe_k, pipe_v = pipes
         one = cute.make_layout(1)
-        for tile in cutlass.range(cute.arch.block_idx()[0], sizes.num_tiles, cute.arch.grid_dim()[0], unroll=1):
-            t = self.tile_info(tile, sizes)
-            kv_head = t.head // self.qhead_per_kvhead
-            gQ = cute.local_tile(mQ[None, None, t.head, t.batch], (64, self.dqk), (None, 0))
-            gK = cute.local_tile(mK[None, None, kv_head, t.batch], (self.tile_n, self.dqk), (None, 0))
-            gVt = cute.local_tile(mVt[None, None, kv_head, t.batch], (self.dv, self.tile_n), (0, None))
-            tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gVt, 0, 2))
-            if t.n_max > t.n_min:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKg[None, t.n_max - 1], tKs[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            for w in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, w],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            if t.n_max > t.n_min:
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVg[None, t.n_max - 1], tVs[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
-            for i in cutlass.range(t.n_max - t.n_min - 1, unroll=1):
-                n_block = t.n_max - 2 - i
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVg[None, n_block], tVs[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
+        t = self.tile_info(tile, sizes)
+        kv_head = t.head // self.qhead_per_kvhead
+        gQ = cute.local_tile(mQ[None, None, t.head, t.batch], (64, self.dqk), (None, 0))
+        gK = cute.local_tile(mK[None, None, kv_head, t.batch], (self.tile_n, self.dqk), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, kv_head, t.batch], (self.dv, self.tile_n), (0, None))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gVt, 0, 2))
+        if t.n_max > t.n_min:
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_k, tKg[None, t.n_max - 1], tKs[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+        pipe_q.producer_acquire(q_state)
+        for w in cutlass.range_constexpr(self.num_consumers):
+            cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, w],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if t.n_max > t.n_min:
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_v, tVg[None, t.n_max - 1], tVs[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        for i in cutlass.range(t.n_max - t.n_min - 1, unroll=1):
+            n_block = t.n_max - 2 - i
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_v, tVg[None, n_block], tVs[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        return kv_state, q_state
 
     @cute.jit
     def make_loop_state(self, sQ, sK, sV, pipes, wg: Int32, wtidx: Int32, sizes) -> MainLoopState:
@@ -317,19 +328,31 @@ class HopperAttentionForward(Sm90MainLoop):
         if cutlass.const_expr(self.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
-        for tile in cutlass.range(cute.arch.block_idx()[0], sizes.num_tiles, cute.arch.grid_dim()[0], unroll=1):
-            loop = self.make_loop_state(sQ, sK, sV, pipes, wg, wtidx, sizes)
-            t = self.tile_info(tile, sizes)
-            t.row_base = t.m_block * self.tile_m + wg * 64
-            pipe_q.consumer_wait(q_state)
-            if t.n_max > t.n_min:
-                k_state, v_state = self.mainloop(loop, t, k_state, v_state)
-            if cutlass.const_expr(not self.o_over_q):
-                pipe_q.consumer_release(q_state)
-            self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
-            if cutlass.const_expr(self.o_over_q):
-                pipe_q.consumer_release(q_state)
-            q_state.advance()
+        grid = cute.arch.grid_dim()[0]
+        for round_ in cutlass.range(cute.ceil_div(sizes.num_tiles, grid), unroll=1):
+            tile = self.scheduler.tile_of(round_, cute.arch.block_idx()[0], grid)
+            if tile < sizes.num_tiles:
+                q_state, k_state, v_state = self.consume_tile(
+                    sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
+                )
+
+    @cute.jit
+    def consume_tile(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
+                     tile: Int32, q_state, k_state, v_state):
+        pipe_q = pipes[0]
+        loop = self.make_loop_state(sQ, sK, sV, pipes, wg, wtidx, sizes)
+        t = self.tile_info(tile, sizes)
+        t.row_base = t.m_block * self.tile_m + wg * 64
+        pipe_q.consumer_wait(q_state)
+        if t.n_max > t.n_min:
+            k_state, v_state = self.mainloop(loop, t, k_state, v_state)
+        if cutlass.const_expr(not self.o_over_q):
+            pipe_q.consumer_release(q_state)
+        self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
+        if cutlass.const_expr(self.o_over_q):
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state, k_state, v_state
 
     @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):

@@ -23,7 +23,7 @@
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
-#     persistent                 False      one CTA per tile, heaviest (longest causal/window) tiles first: the hardware hands tiles to free SMs, which balances uneven tiles better than a static persistent order
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one; causal/window tiles go heaviest first in a snake order that pairs heavy and light tiles per CTA
 #     separate_o_smem            False      no room for an O buffer: O is staged over each warpgroup's own Q rows
 #     smem_bytes                 214016     Q + 2 x (K + V) tiles + barriers, of 232448 available
 import cutlass
@@ -57,6 +57,6 @@ def make_kernel() -> HopperAttentionForward:
         return_lse=True,
         intra_warpgroup_overlap=True,
         pingpong=False,
-        persistent=False,
+        persistent=True,
         separate_o_smem=False,
     )

@@ -23,7 +23,7 @@
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
-#     persistent                 False      one CTA per tile, heaviest (longest causal/window) tiles first: the hardware hands tiles to free SMs, which balances uneven tiles better than a static persistent order
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one; causal/window tiles go heaviest first in a snake order that pairs heavy and light tiles per CTA
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     smem_bytes                 197632     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cutlass
@@ -57,6 +57,6 @@ def make_kernel() -> HopperAttentionForward:
         return_lse=False,
         intra_warpgroup_overlap=True,
         pingpong=True,
-        persistent=False,
+        persistent=True,
         separate_o_smem=True,
     )

@@ -21,7 +21,7 @@
 #     skip_masked_tiles          False      no structural mask: every key tile is used; only the ragged last tile is masked
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
-#     persistent                 True       one CTA per SM loops over tiles: the producer loads the next tile while consumers store this one
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     smem_bytes                 115712     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cutlass
