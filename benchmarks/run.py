@@ -70,7 +70,9 @@ def run(args) -> None:
 
 def report(args) -> None:
     runs = [json.loads(Path(p).read_text()) for p in args.files]
-    rows = [row for r in runs for row in r["rows"]]
+    order = {(case.name, case.seqlen): i for i, case in enumerate(bench.grid("full"))}
+    rows = sorted((row for r in runs for row in r["rows"]),
+                  key=lambda row: order.get((row["case"], row["seqlen"]), len(order)))
     env = runs[0]["environment"]
     print(f"Measured {env['date']} on {env['device']}: torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
           f"{env['cudnn']}), flash-attn-4 {env['flash-attn-4']}, fa4gen {env['fa4gen']}. Dense bf16 "
