@@ -87,6 +87,7 @@ class HopperAttentionForward(Sm90MainLoop):
         self.persistent = persistent
         self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right)
         self.has_left_mask = window_left is not None
+        self.has_right_mask = window_right is not None
         self.scheduler = TileScheduler(heavy_first=window_left is not None or window_right is not None)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)

@@ -8,7 +8,8 @@ With ping-pong the consumer warpgroups take turns issuing their MMAs (named barr
 warpgroup's softmax fills the time another's MMAs hold the tensor cores.
 
 Key tiles run from the highest down: the first tile always runs the mask (it may hold the
-diagonal or the ragged end of Sk), then masked / interior / masked runs (see masking.py).
+diagonal or the ragged end of Sk); after it, a run-time flag per tile says whether it crosses a
+mask bound (see masking.py), so interior tiles skip the mask code.
 """
 
 from __future__ import annotations
@@ -37,39 +38,42 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, has_left_mask, score_mod, key_tiles, softmax."""
+    pingpong, has_left_mask, has_right_mask, score_mod, key_tiles, softmax."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
         """All key tiles of one query tile; returns the advanced K and V pipeline states."""
-        n_min, split_lo, split_hi, n_max = tile.n_min, tile.split_lo, tile.split_hi, tile.n_max
-        top = n_max - 1
-        count_hi = cutlass.max(top - split_hi, 0)
-        start_mid = cutlass.min(split_hi, top)
-        count_mid = cutlass.max(start_mid - split_lo, 0)
-        start_lo = cutlass.min(split_lo, top)
-        count_lo = cutlass.max(start_lo - n_min, 0)
+        top = tile.n_max - 1
         if cutlass.const_expr(self.overlap):
             k_state = self.first_tile(loop, tile, top, k_state)
-            for i in cutlass.range(count_hi, unroll=1):
-                k_state, v_state = self.overlapped_tile(loop, tile, top - 1 - i, k_state, v_state, True)
-            for i in cutlass.range(count_mid, unroll=1):
-                k_state, v_state = self.overlapped_tile(loop, tile, start_mid - 1 - i, k_state, v_state, False)
-            if cutlass.const_expr(self.has_left_mask):
-                for i in cutlass.range(count_lo, unroll=1):
-                    k_state, v_state = self.overlapped_tile(loop, tile, start_lo - 1 - i, k_state, v_state, True)
+            for i in cutlass.range(top - tile.n_min, unroll=1):
+                n_block = top - 1 - i
+                k_state, v_state = self.overlapped_tile(
+                    loop, tile, n_block, k_state, v_state, self.needs_mask(tile, n_block)
+                )
             v_state = self.pv_product(loop, v_state)
         else:
             k_state = self.serial_tile(loop, tile, top, k_state, True)
-            for i in cutlass.range(count_hi, unroll=1):
-                k_state = self.serial_tile(loop, tile, top - 1 - i, k_state, True)
-            for i in cutlass.range(count_mid, unroll=1):
-                k_state = self.serial_tile(loop, tile, start_mid - 1 - i, k_state, False)
-            if cutlass.const_expr(self.has_left_mask):
-                for i in cutlass.range(count_lo, unroll=1):
-                    k_state = self.serial_tile(loop, tile, start_lo - 1 - i, k_state, True)
+            for i in cutlass.range(top - tile.n_min, unroll=1):
+                n_block = top - 1 - i
+                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(tile, n_block))
             v_state = k_state.clone()
         return k_state, v_state
+
+    @cute.jit
+    def needs_mask(self, tile, n_block: Int32):
+        """Whether key tile ``n_block`` (not the first, which is always masked) crosses a mask
+        bound: a run-time flag, so masked and interior tiles share one traced loop body and only
+        boundary tiles execute mask code. Without a bound it is the constant False (the only
+        ragged tile, the last one of Sk, is the first tile)."""
+        masked = False
+        if cutlass.const_expr(self.has_right_mask and self.has_left_mask):
+            masked = n_block >= tile.split_hi or n_block < tile.split_lo
+        elif cutlass.const_expr(self.has_right_mask):
+            masked = n_block >= tile.split_hi
+        elif cutlass.const_expr(self.has_left_mask):
+            masked = n_block < tile.split_lo
+        return masked
 
     # ------------------------------------------------------------------ ping-pong turns
     @cute.jit
@@ -100,20 +104,21 @@ class Sm90MainLoop:
         warpgroup.commit_group()
 
     @cute.jit
-    def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked: cutlass.Constexpr):
-        """Score modifier, mask, online-softmax update; returns the per-row O correction."""
+    def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked):
+        """Score modifier, mask (``masked``: a Python bool or a run-time flag), online-softmax
+        update; returns the per-row O correction."""
         if cutlass.const_expr(self.score_mod is not None):
             for j in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[j] = self.score_mod(acc_s[j])
         scores = rows_cols_view(acc_s)
-        if cutlass.const_expr(masked):
+        if masked:
             self.key_tiles.apply(scores, rows_cols_view(loop.coords_s), tile.row_base, n_block * self.tile_n,
                                  loop.seqlen_q, loop.seqlen_k)
         return self.softmax.update(scores, loop.row_max, loop.row_sum)
 
     # ------------------------------------------------------------------ one key tile
     @cute.jit
-    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked: cutlass.Constexpr):
+    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked):
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         loop.pipe_k.consumer_wait(k_state)
         warpgroup.fence()
@@ -148,7 +153,7 @@ class Sm90MainLoop:
         return k_state
 
     @cute.jit
-    def overlapped_tile(self, loop, tile, n_block: Int32, k_state, v_state, masked: cutlass.Constexpr):
+    def overlapped_tile(self, loop, tile, n_block: Int32, k_state, v_state, masked):
         """Issue S(n) = Q.K^T and O += P(n+1).V(n+1) together; the softmax of S(n) runs while
         the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
