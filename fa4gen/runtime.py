@@ -42,6 +42,23 @@ def preload_runtime(cuda_flavour: str = "cu13") -> str:
     )
 
 
+def prepare_loader() -> None:
+    """Import apache-tvm-ffi and dlopen the CuTe runtime library now (``import fa4gen`` calls
+    this): the one-time ~60-100 ms they cost is paid at import, so ``fa4gen.compile()`` on a
+    cache hit is only fa4gen's own lookup. Set FA4GEN_LAZY_LOADER=1 to defer it to the first load
+    (e.g. for processes that only cross-compile). Never raises: a missing library is reported
+    when a kernel is actually loaded."""
+    if os.environ.get("FA4GEN_LAZY_LOADER", "") not in ("", "0"):
+        return
+    try:
+        from fa4gen.toolchain import toolchain
+
+        preload_runtime(toolchain()["cuda"])
+        import tvm_ffi  # noqa: F401
+    except Exception:  # reported by load_function, where it matters
+        return
+
+
 def load_function(entry_dir: Path, cuda_flavour: str = "cu13"):
     preload_runtime(cuda_flavour)
     import tvm_ffi
