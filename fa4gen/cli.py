@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import os
 import re
 import time
 import warnings
@@ -32,7 +33,7 @@ from pydantic import ValidationError
 import fa4gen
 from fa4gen.api import BUILD_INFO_FILE
 from fa4gen.arch import Arch, UnsupportedArchError
-from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, KernelCache, default_cache_root
+from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
 from fa4gen.compiler import CompileError
 from fa4gen.spec import load_spec
 
@@ -346,11 +347,16 @@ def cache_import(
 
 
 # ----------------------------------------------------------------------------- warm
-def warm_one(spec_file: str, arch: str, cache_dir: str) -> dict[str, Any]:
-    """Build one (spec file, arch) pair; runs in a worker process, so plain data in and out."""
+def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False) -> dict[str, Any] | None:
+    """Build one (spec file, arch) pair; runs in a worker process, so plain data in and out.
+    With ``no_compile`` (the parent's quick pass) a cache miss returns None: compile it later."""
     started = time.perf_counter()
     try:
-        result = fa4gen.build(load_spec(spec_file), arch, cache_dir=cache_dir, no_compile=False)
+        result = fa4gen.build(load_spec(spec_file), arch, cache_dir=cache_dir, no_compile=no_compile)
+    except CacheMiss:
+        if no_compile:
+            return None
+        raise
     except Exception as exc:  # every failure becomes a row of the report, never a crash
         return {"status": "failed", "seconds": time.perf_counter() - started, "error": failure_reason(exc)}
     status = "compiled" if result.built_now else "cached"
@@ -446,7 +452,14 @@ def warm_command(
         raise typer.Exit(1)
     work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
     started = time.perf_counter()
-    results = _run_jobs(work, root, min(jobs, len(work)))
+    # settle hits and invalid specs here (milliseconds each); only misses go to worker processes
+    results = [warm_one(str(job.spec_file), job.arch, str(root), no_compile=True) for job in work]
+    misses = [index for index, result in enumerate(results) if result is None]
+    if misses:
+        os.environ.setdefault("FA4GEN_LAZY_LOADER", "1")  # workers compile; they never load a kernel
+        compiled = _run_jobs([work[i] for i in misses], root, min(jobs, len(misses)))
+        for index, result in zip(misses, compiled):
+            results[index] = result
     _console().print(_warm_table(work, results))
     counts = {status: sum(r["status"] == status for r in results) for status in _STATUS_STYLES}
     typer.echo(f"{counts['compiled']} compiled, {counts['cached']} cached, {counts['failed']} failed "

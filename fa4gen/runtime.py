@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,12 @@ def preload_runtime(cuda_flavour: str = "cu13") -> str:
 
 def prepare_loader() -> None:
     """Import apache-tvm-ffi and dlopen the CuTe runtime library now (``import fa4gen`` calls
-    this): the one-time ~60-100 ms they cost is paid at import, so ``fa4gen.compile()`` on a
-    cache hit is only fa4gen's own lookup. Set FA4GEN_LAZY_LOADER=1 to defer it to the first load
-    (e.g. for processes that only cross-compile). Never raises: a missing library is reported
-    when a kernel is actually loaded."""
-    if os.environ.get("FA4GEN_LAZY_LOADER", "") not in ("", "0"):
+    this) in a process that already imported torch, i.e. one that will run kernels: the one-time
+    ~50-100 ms they cost is paid at import, and ``fa4gen.compile()`` on a cache hit is only
+    fa4gen's own lookup. Processes without torch (the CLI, CI cross-compiles) stay lazy, since
+    tvm_ffi would import torch (seconds). FA4GEN_LAZY_LOADER=1 always defers. Never raises: a
+    missing library is reported when a kernel is actually loaded."""
+    if "torch" not in sys.modules or os.environ.get("FA4GEN_LAZY_LOADER", "") not in ("", "0"):
         return
     try:
         from fa4gen.toolchain import toolchain
