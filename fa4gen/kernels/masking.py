@@ -74,5 +74,8 @@ class KeyTileRange:
                 col_start = row + offset - self.left
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
                 col = col_base + coords_mn[0, c][1]
-                if col >= col_end or col < col_start:
-                    scores_mn[r, c] = -cutlass.Float32.inf
+                # a select, not a branch: one instruction per score and no control flow to trace
+                visible = (col < col_end) & (col >= col_start)
+                scores_mn[r, c] = cutlass.Float32(
+                    cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf)
+                )
