@@ -17,7 +17,7 @@ from fa4gen.emitter import EmittedKernel, emit  # noqa: E402
 from fa4gen.planner import Plan, plan  # noqa: E402
 from fa4gen.runtime import AttentionKernel  # noqa: E402
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_json_schema  # noqa: E402
-from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004
+from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
 from fa4gen.runtime import prepare_loader as _prepare_loader  # noqa: E402
 
 _prepare_loader()

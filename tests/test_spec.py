@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import fa4gen
-from fa4gen.emitter import LOG2E
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_from_yaml, spec_json_schema
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
