@@ -100,6 +100,14 @@ def build(
     return BuildResult(spec=spec, plan=kernel_plan, key=key, entry=entry, built_now=built_now)
 
 
+def _tuned_for_this_device(spec: AttentionSpec, target: Arch, cache: KernelCache) -> Plan | None:
+    """A plan `fa4gen tune` recorded for this spec on a GPU of this name, if any."""
+    from fa4gen import tuning
+
+    device = tuning.current_device_name()
+    return None if device is None else tuning.tuned_plan(cache.root, spec, target, device)
+
+
 _loaded: dict[tuple[str, str], AttentionKernel] = {}
 _caches: dict[str, KernelCache] = {}
 _loaded_lock = threading.Lock()
@@ -125,13 +133,16 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     """A callable for ``spec`` on the current GPU: ``o = fa4gen.compile(spec)(q, k, v)``.
 
     Compiles on first use and caches on disk (``FA4GEN_CACHE_DIR``); later processes load the
-    artifact in milliseconds. With ``no_compile`` (or ``FA4GEN_NO_COMPILE=1``) a cache miss raises
+    artifact in milliseconds. The plan is ``kernel_plan`` if given, else the one ``fa4gen tune``
+    recorded for this spec on a GPU of this name, else the planner's. With ``no_compile`` (or ``FA4GEN_NO_COMPILE=1``) a cache miss raises
     ``fa4gen.CacheMiss`` instead of compiling.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = _process_cache(cache_dir)
+    if kernel_plan is None:
+        kernel_plan = _tuned_for_this_device(spec, target, cache)
     result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
     memo_key = (result.key, str(cache.root))
     with _loaded_lock:

@@ -3,6 +3,7 @@
     fa4gen plan spec.yaml --arch sm_90a          the schedule and the reason for each choice
     fa4gen emit spec.yaml -o kernel.py           the generated CuTe-DSL source
     fa4gen compile spec.yaml --arch sm_90a       build into the cache (or find it there)
+    fa4gen tune spec.yaml --arch sm_90a          on a GPU: time candidate plans, record the fastest
     fa4gen warm specs/ --arch sm_90a -j 4        build every spec under a directory, in parallel
     fa4gen cache ls | verify | clear | export | import
 
@@ -195,6 +196,25 @@ def plan_command(
     with _reporting_errors():
         kernel_plan = fa4gen.plan(load_spec(spec_file), arch)
     typer.echo(kernel_plan.model_dump_json(indent=2) if as_json else kernel_plan.describe())
+
+
+@app.command("tune")
+def tune_command(
+    ctx: typer.Context,
+    spec_file: SpecArgument,
+    arch: ArchOption = Arch.SM90A.value,
+    seqlens: Annotated[str, typer.Option("--seqlens", help="Sequence lengths to time, comma-separated.")] = "2048,8192",
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """On a GPU: time the planner's candidate plans for a spec and record the fastest, which
+    fa4gen.compile then uses on GPUs of this name."""
+    from fa4gen.tuning import tune
+
+    with _reporting_errors():
+        lengths = tuple(int(part) for part in seqlens.split(",") if part.strip())
+        result = tune(load_spec(spec_file), arch, cache_dir=_cache_root(ctx, cache_dir), seqlens=lengths,
+                      log=typer.echo)
+    typer.echo(f"\nbest: {max(result.rows, key=lambda row: row['score'])['changes']}\nrecorded in {result.path}")
 
 
 @app.command("emit")

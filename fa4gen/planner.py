@@ -183,3 +183,50 @@ def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
     """Lower a spec to the schedule its kernel runs on ``arch``."""
     target = require_supported(arch)
     return _PLANNERS[target](spec)
+
+
+# ----------------------------------------------------------------------------- tuning candidates
+TUNE_TILE_N_STEPS = (-32, -16, 16, 32)  # key-tile sizes tried around the table's choice
+REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state and the pipeline
+
+
+def _sm90_fits(p: Plan) -> bool:
+    """Shared memory and a register estimate (S fp32 + P 16-bit + O fp32 per thread) fit."""
+    smem = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
+                           p.separate_o_smem)
+    fragments = p.tile_n // 2 + p.tile_n // 4 + p.head_dim_v_padded // 2
+    o_over_q_ok = p.separate_o_smem or p.head_dim_v_padded <= p.head_dim_padded
+    return (smem <= Arch.SM90A.caps.smem_bytes_per_cta and fragments + REGISTER_HEADROOM <= p.consumer_regs
+            and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
+
+
+def _sm90_variant(base: Plan, why: str, **update) -> Plan:
+    changed = base.model_copy(update=update)
+    smem = sm90_smem_bytes(changed.tile_m, changed.tile_n, changed.kv_stages, changed.head_dim_padded,
+                           changed.head_dim_v_padded, 2, changed.separate_o_smem)
+    reasons = {**base.reasons, **{field: f"tuning candidate: {why}" for field in update}}
+    return changed.model_copy(update={"smem_bytes": smem, "reasons": reasons})
+
+
+def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]:
+    """The planner's plan first, then single-step variations of it that fit the hardware:
+    what ``fa4gen tune`` times on a GPU to pick a plan by measurement."""
+    base = plan(spec, arch)
+    found = [base]
+    flips = [
+        ("ping-pong flipped", {"pingpong": not base.pingpong}) if base.intra_warpgroup_overlap else None,
+        ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False}),
+        ("persistence flipped", {"persistent": not base.persistent}),
+    ]
+    for step in TUNE_TILE_N_STEPS:
+        flips.append((f"tile_n {base.tile_n + step}", {"tile_n": base.tile_n + step}))
+    other = 5 - base.num_consumer_warpgroups  # 2 <-> 3 consumer warpgroups
+    producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other]
+    flips.append((f"{other} consumer warpgroups", {"num_consumer_warpgroups": other, "tile_m": 64 * other,
+                                                    "producer_regs": producer_regs,
+                                                    "consumer_regs": consumer_regs}))
+    for why, update in filter(None, flips):
+        variant = _sm90_variant(base, why, **update)
+        if _sm90_fits(variant) and all(variant.canonical_json() != p.canonical_json() for p in found):
+            found.append(variant)
+    return found

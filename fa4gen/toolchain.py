@@ -51,7 +51,8 @@ def package_root() -> Path:
 # Host-side modules that never shape an artifact: editing them must not invalidate caches.
 # Everything else in the package (spec, planner, emitter, compiler, kernels/, and any module
 # added later) is part of the fingerprint, so the default is to invalidate.
-HOST_ONLY_MODULES = frozenset({"__init__.py", "cli.py", "cache.py", "runtime.py", "api.py", "testing.py", "bench.py"})
+HOST_ONLY_MODULES = frozenset({"__init__.py", "cli.py", "cache.py", "runtime.py", "api.py", "testing.py", "bench.py",
+                               "tuning.py"})
 
 
 @lru_cache(maxsize=1)

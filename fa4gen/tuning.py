@@ -1,0 +1,128 @@
+"""Plans chosen by measurement on the device they run on (``fa4gen tune``).
+
+``tune`` compiles the planner's candidate plans for a spec (``planner.candidates``), times each
+on a few shapes on the current GPU, and records the fastest in the cache directory, keyed by
+(arch, GPU name, spec). ``fa4gen.compile`` then uses the recorded plan on a GPU of that name;
+everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the planner's table
+applies. Records are small JSON files written atomically; a record that no longer parses as a
+Plan (an older fa4gen) is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fa4gen.arch import Arch, UnsupportedArchError
+from fa4gen.cache import make_key
+from fa4gen.planner import Plan, candidates
+from fa4gen.spec import AttentionSpec
+
+TUNED_DIR = "tuned"
+DEFAULT_SEQLENS = (2048, 8192)
+
+
+def current_device_name() -> str | None:
+    """Name of the current CUDA device (host-side query), or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def _record_path(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or "device"
+    return Path(cache_root) / TUNED_DIR / arch.value / slug / f"{make_key({'spec': spec.canonical()})}.json"
+
+
+def tuned_plan(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str) -> Plan | None:
+    """The plan recorded for (spec, arch, device), or None."""
+    path = _record_path(cache_root, spec, arch, device)
+    try:
+        record = json.loads(path.read_text())
+        plan = Plan.model_validate(record["plan"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"ignoring the tuned plan in {path}: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+    return plan if plan.arch == arch.value else None
+
+
+def record_plan(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str, plan: Plan,
+                measurements: list[dict]) -> Path:
+    path = _record_path(cache_root, spec, arch, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"spec": spec.canonical(), "arch": arch.value, "device": device, "plan": plan.model_dump(),
+              "measurements": measurements, "recorded": time.time()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class TuneResult:
+    best: Plan
+    rows: list[dict] = field(default_factory=list)  # per candidate: changes, TFLOP/s per seqlen, score
+    path: Path | None = None
+
+
+def _changes(base: Plan, other: Plan) -> str:
+    skip = {"reasons", "smem_bytes"}
+    diff = [f"{k}={v}" for k, v in other.model_dump(exclude=skip).items() if base.model_dump()[k] != v]
+    return ", ".join(diff) or "planner default"
+
+
+def gpu_measure(spec: AttentionSpec, plan: Plan, seqlens: tuple[int, ...], cache_dir: Path | None) -> list[float]:
+    """TFLOP/s of ``plan`` on the current GPU at each seqlen (16k tokens, model width 2048)."""
+    import fa4gen
+    from fa4gen import bench
+
+    kernel = fa4gen.compile(spec, cache_dir=cache_dir, kernel_plan=plan)
+    results = []
+    for seqlen in seqlens:
+        case = bench.make_case(spec, seqlen)
+        results.append(case.flops() / bench.time_ms(kernel, bench.make_inputs(case)) / 1e9)
+    return results
+
+
+def tune(
+    spec: AttentionSpec,
+    arch: Arch | str = Arch.SM90A,
+    *,
+    cache_dir: str | Path | None = None,
+    seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
+    device: str | None = None,
+    measure: Callable[[AttentionSpec, Plan, tuple[int, ...], Path | None], list[float]] = gpu_measure,
+    log: Callable[[str], None] = lambda line: None,
+) -> TuneResult:
+    """Time every candidate plan, record the one with the best geometric-mean TFLOP/s."""
+    from fa4gen.cache import KernelCache
+
+    target = Arch.parse(arch)
+    device = device or current_device_name()
+    if device is None:
+        raise UnsupportedArchError("fa4gen tune times kernels on a GPU: no CUDA device is visible")
+    root = KernelCache(cache_dir).root
+    plans = candidates(spec, target)
+    rows = []
+    for plan in plans:
+        tflops = measure(spec, plan, seqlens, root)
+        score = math.exp(sum(map(math.log, tflops)) / len(tflops))
+        rows.append({"changes": _changes(plans[0], plan), "tflops": dict(zip(map(str, seqlens), tflops)),
+                     "score": score})
+        log(f"{rows[-1]['changes']:48} " + " ".join(f"S={s}: {t:.0f}" for s, t in zip(seqlens, tflops)))
+    best_index = max(range(len(rows)), key=lambda i: rows[i]["score"])
+    path = record_plan(root, spec, target, device, plans[best_index], rows)
+    return TuneResult(best=plans[best_index], rows=rows, path=path)

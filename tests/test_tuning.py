@@ -1,0 +1,80 @@
+"""Plan tuning: candidate plans, the record of the winner, and compile() using it (CPU; the
+timing itself is injected here and runs on the GPU in `fa4gen tune`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fa4gen
+from fa4gen import api, tuning
+from fa4gen.arch import Arch
+from fa4gen.planner import candidates, sm90_smem_bytes
+
+SPECS = [
+    fa4gen.AttentionSpec(head_dim=64, causal=True),
+    fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4),
+    fa4gen.AttentionSpec(head_dim=192, head_dim_v=128, causal=True),
+    fa4gen.AttentionSpec(head_dim=256, softcap=30.0, window_left=512, causal=True),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.summary())
+def test_candidates_start_with_the_default_and_all_fit(spec):
+    plans = candidates(spec, "sm_90a")
+    assert plans[0] == fa4gen.plan(spec, "sm_90a")
+    assert len(plans) >= 3
+    assert len({p.canonical_json() for p in plans}) == len(plans)
+    for p in plans:
+        assert p.smem_bytes == sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded,
+                                               p.head_dim_v_padded, 2, p.separate_o_smem)
+        assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
+        assert p.tile_m == 64 * p.num_consumer_warpgroups and p.tile_n % 16 == 0
+        assert 128 * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs) <= 65536
+        assert not p.pingpong or p.intra_warpgroup_overlap
+        assert all(p.reasons.get(name) for name in type(p).model_fields if name != "reasons")
+
+
+def _fake_measure(spec, plan, seqlens, cache_dir):
+    # pretend smaller key tiles win, so the winner is not the planner's default
+    return [1000.0 / plan.tile_n * (1 + i) for i, _ in enumerate(seqlens)]
+
+
+def test_tune_records_the_fastest_and_compile_uses_it_on_that_gpu(tmp_path, monkeypatch):
+    spec = SPECS[1]
+    result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="NVIDIA H200", measure=_fake_measure)
+    assert result.best.tile_n == min(p.tile_n for p in candidates(spec))
+    assert result.best != fa4gen.plan(spec, "sm_90a")
+    record = json.loads(result.path.read_text())
+    assert record["device"] == "NVIDIA H200" and len(record["measurements"]) == len(candidates(spec))
+    assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200") == result.best
+    assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H100 80GB HBM3") is None
+
+    class Stop(Exception):
+        pass
+
+    built = []
+
+    def build_stub(spec, target, **options):  # stops compile() right where the plan is chosen
+        built.append(options["kernel_plan"])
+        raise Stop
+
+    monkeypatch.setattr(tuning, "current_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(api, "build", build_stub)
+    with pytest.raises(Stop):
+        fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
+    monkeypatch.setattr(tuning, "current_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(Stop):
+        fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
+    assert built == [result.best, None]  # another GPU: the planner's plan (None = default)
+
+
+def test_no_gpu_and_broken_records(tmp_path):
+    spec = SPECS[0]
+    with pytest.raises(fa4gen.UnsupportedArchError, match="no CUDA device"):
+        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, measure=_fake_measure)
+    path = tuning.record_plan(tmp_path, spec, Arch.SM90A, "GPU X", fa4gen.plan(spec), [])
+    path.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned plan"):
+        assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU X") is None
