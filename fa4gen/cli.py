@@ -36,6 +36,7 @@ from fa4gen.api import BUILD_INFO_FILE
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
 from fa4gen.compiler import CompileError
+from fa4gen.planner import candidates
 from fa4gen.spec import load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -367,12 +368,16 @@ def cache_import(
 
 
 # ----------------------------------------------------------------------------- warm
-def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False) -> dict[str, Any] | None:
-    """Build one (spec file, arch) pair; runs in a worker process, so plain data in and out.
-    With ``no_compile`` (the parent's quick pass) a cache miss returns None: compile it later."""
+def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False,
+             candidate: int | None = None) -> dict[str, Any] | None:
+    """Build one (spec file, arch) pair, or its tuning candidate number ``candidate``; runs in a
+    worker process, so plain data in and out. With ``no_compile`` (the parent's quick pass) a
+    cache miss returns None: compile it later."""
     started = time.perf_counter()
     try:
-        result = fa4gen.build(load_spec(spec_file), arch, cache_dir=cache_dir, no_compile=no_compile)
+        spec = load_spec(spec_file)
+        kernel_plan = None if candidate is None else candidates(spec, arch)[candidate]
+        result = fa4gen.build(spec, arch, cache_dir=cache_dir, no_compile=no_compile, kernel_plan=kernel_plan)
     except CacheMiss:
         if no_compile:
             return None
@@ -387,6 +392,21 @@ def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False
 class WarmJob:
     spec_file: Path
     arch: str
+    candidate: int | None = None  # index into planner.candidates(spec, arch); None: the default plan
+
+    @property
+    def label(self) -> str:
+        return str(self.spec_file) + ("" if self.candidate is None else f" [candidate {self.candidate}]")
+
+
+def _candidate_jobs(spec_file: Path, arch: str) -> list[WarmJob]:
+    """Every tuning candidate of one spec (the default plan is candidate 0); an invalid spec or
+    arch gives the plain job, whose build reports the error."""
+    try:
+        count = len(candidates(load_spec(spec_file), arch))
+    except Exception:
+        return [WarmJob(spec_file, arch)]
+    return [WarmJob(spec_file, arch, None if index == 0 else index) for index in range(count)]
 
 
 def collect_spec_files(paths: list[Path], exclude: Path | None = None) -> list[Path]:
@@ -420,7 +440,7 @@ def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[
             ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         task = progress.add_task("warming", total=len(jobs))
         futures: dict[Future, int] = {
-            pool.submit(warm_one, str(job.spec_file), job.arch, str(cache_root)): index
+            pool.submit(warm_one, str(job.spec_file), job.arch, str(cache_root), False, job.candidate): index
             for index, job in enumerate(jobs)
         }
         try:
@@ -448,7 +468,7 @@ def _warm_table(jobs: list[WarmJob], results: list[dict[str, Any]]):
                          justify="right" if name == "seconds" else "left")
     for job, result in zip(jobs, results):
         status = result["status"]
-        table.add_row(str(job.spec_file), job.arch, f"[{_STATUS_STYLES[status]}]{status}[/]",
+        table.add_row(job.label, job.arch, f"[{_STATUS_STYLES[status]}]{status}[/]",
                       f"{result['seconds']:.2f}", escape(result["error"] or ""))
     return table
 
@@ -460,6 +480,9 @@ def warm_command(
                                                 exists=True, show_default=False)],
     arch: ArchOption = Arch.SM90A.value,
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = 1,
+    tuning_candidates: Annotated[bool, typer.Option(
+        "--tuning-candidates", help="Also compile every plan `fa4gen tune` times, so a GPU machine "
+        "without the compiler can tune (FA4GEN_NO_COMPILE=1).")] = False,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Compile every spec under PATHS for every arch into the cache; exit 1 if any failed."""
@@ -470,10 +493,13 @@ def warm_command(
         typer.echo(f"error: no spec files ({', '.join('*' + s for s in SPEC_SUFFIXES)}) under "
                    f"{', '.join(map(str, paths))}", err=True)
         raise typer.Exit(1)
-    work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
+    if tuning_candidates:
+        work = [job for spec_file in spec_files for target in arches for job in _candidate_jobs(spec_file, target)]
+    else:
+        work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
     started = time.perf_counter()
     # settle hits and invalid specs here (milliseconds each); only misses go to worker processes
-    results = [warm_one(str(job.spec_file), job.arch, str(root), no_compile=True) for job in work]
+    results = [warm_one(str(job.spec_file), job.arch, str(root), True, job.candidate) for job in work]
     misses = [index for index, result in enumerate(results) if result is None]
     if misses:
         os.environ.setdefault("FA4GEN_LAZY_LOADER", "1")  # workers compile; they never load a kernel

@@ -40,6 +40,8 @@ class Plan(BaseModel):
     pingpong: bool
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
     separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
+    exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
+    rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     smem_bytes: int
     reasons: dict[str, str]
 
@@ -61,18 +63,27 @@ class TileRow:
     tile_n: int
     kv_stages: int
     pingpong: bool
+    exp2_poly_period: int
     reason: str
 
 
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
-    TileRow(64, 3, 128, 2, True, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
+    TileRow(64, 3, 128, 2, True, 4, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers"),
-    TileRow(128, 2, 128, 2, True, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
-    TileRow(192, 2, 128, 2, False, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
-    TileRow(256, 2, 64, 2, False, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
+    TileRow(96, 2, 128, 2, True, 8, "d96: 128x128 tiles with ping-pong; exponentials still outpace MUFU "
+            "at 384 FLOPs each, so 1 in 8 goes to the FMA units"),
+    TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
+    TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
+    TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
 )
+
+# Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
+# tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load.
+# Where MUFU is the limit, a row of the table moves 1 of every k exponentials to the FMA pipe.
+EXP2_POLY_PERIOD_SOFTCAP = 2  # tanh keeps MUFU busy alone: half the exponentials on the FMA units
+RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) <= 64 K
 SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
@@ -92,6 +103,17 @@ def sm90_smem_bytes(
     return (q + o + kv) * elem_bytes + SMEM_RESERVE_BYTES
 
 
+def _exp2_split(spec: AttentionSpec, row: TileRow) -> tuple[int, str]:
+    """How many exponentials leave MUFU for the FMA units, and why."""
+    if spec.softcap is not None:
+        return EXP2_POLY_PERIOD_SOFTCAP, (f"softcap's tanh also runs on MUFU: 1 in {EXP2_POLY_PERIOD_SOFTCAP} "
+                                          "exponentials by polynomial on the FMA units")
+    if row.exp2_poly_period:
+        return row.exp2_poly_period, (f"d <= {row.max_head_dim}: exponentials outpace MUFU, so 1 in "
+                                      f"{row.exp2_poly_period} runs as a polynomial on the FMA units")
+    return 0, f"d <= {row.max_head_dim}: MUFU keeps up with the tensor cores; every exp2 stays on it"
+
+
 def _plan_sm90(spec: AttentionSpec) -> Plan:
     caps = Arch.SM90A.caps
     dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
@@ -106,6 +128,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         warpgroups = 2
         warpgroup_reason = "a two-sided window (both bounds checked per tile) needs 240 registers: 2 warpgroups"
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
+    exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_m = WARPGROUP_MMA_M * warpgroups
     tile_n, stages = row.tile_n, row.kv_stages
     tile_reason = row.reason
@@ -151,6 +174,9 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
         "next tile's Q loads during this tile's epilogue" if separate_o else
         "no room for an O buffer: O is staged over each warpgroup's own Q rows",
+        "exp2_poly_period": exp2_reason,
+        "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
+        "most tiles skip the multiply of the O accumulator (FlashAttention-4)",
         "smem_bytes": f"Q {'+ O ' if separate_o else ''}+ {stages} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
     }
@@ -171,6 +197,8 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         pingpong=row.pingpong,
         persistent=True,
         separate_o_smem=separate_o,
+        exp2_poly_period=exp2_period,
+        rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=smem,
         reasons=reasons,
     )
@@ -187,6 +215,7 @@ def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
 
 # ----------------------------------------------------------------------------- tuning candidates
 TUNE_TILE_N_STEPS = (-32, -16, 16, 32)  # key-tile sizes tried around the table's choice
+TUNE_EXP2_POLY_PERIODS = (0, 2, 3, 4, 8)  # share of exponentials on the FMA units: none, 1/2 ... 1/8
 REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state and the pipeline
 
 
@@ -218,6 +247,10 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False}),
         ("persistence flipped", {"persistent": not base.persistent}),
     ]
+    for period in TUNE_EXP2_POLY_PERIODS:
+        flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",
+                      {"exp2_poly_period": period}))
+    flips.append(("O rescaled every tile", {"rescale_threshold": 0.0}))
     for step in TUNE_TILE_N_STEPS:
         flips.append((f"tile_n {base.tile_n + step}", {"tile_n": base.tile_n + step}))
     other = 5 - base.num_consumer_warpgroups  # 2 <-> 3 consumer warpgroups

@@ -61,6 +61,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "o-staging": {"separate_o_smem": not base.separate_o_smem},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
+            "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
+            "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
         }
         for flip, update in flips.items():
             p = base.model_copy(update=update)

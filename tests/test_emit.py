@@ -195,6 +195,8 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "pingpong": kernel_plan.pingpong,
         "persistent": kernel_plan.persistent,
         "separate_o_smem": kernel_plan.separate_o_smem,
+        "exp2_poly_period": kernel_plan.exp2_poly_period,
+        "rescale_threshold": kernel_plan.rescale_threshold,
     }
 
 

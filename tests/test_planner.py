@@ -10,6 +10,7 @@ from fa4gen.planner import (
     MMA_K_GRANULE,
     SM90_FWD_TILES,
     Plan,
+    candidates,
     plan,
     sm90_smem_bytes,
 )
@@ -270,3 +271,31 @@ def test_arch_for_unsupported_capability(major, minor):
 def test_arch_for_reserved_capability():
     with pytest.raises(UnsupportedArchError, match="reserved"):
         arch_for_capability(10, 0)
+
+
+# --------------------------------------------------------------------------- exponential unit relief
+
+
+@pytest.mark.parametrize(
+    "fields, period",
+    [({"head_dim": 64}, 4), ({"head_dim": 32}, 4), ({"head_dim": 128}, 0), ({"head_dim": 256}, 0),
+     ({"head_dim": 128, "softcap": 50.0}, 2), ({"head_dim": 64, "softcap": 30.0}, 2)],
+)
+def test_exp2_polynomial_share_follows_the_exponential_load(fields, period):
+    p = plan(AttentionSpec(**fields), "sm_90a")
+    assert p.exp2_poly_period == period
+    assert ("polynomial" in p.reasons["exp2_poly_period"]) == (period > 0)
+
+
+def test_conditional_rescale_is_on_by_default():
+    p = plan(AttentionSpec(), "sm_90a")
+    assert p.rescale_threshold == 8.0
+    assert "2^8" in p.reasons["rescale_threshold"]
+
+
+def test_tuning_candidates_vary_the_exponential_split():
+    found = candidates(AttentionSpec(head_dim=64), "sm_90a")
+    periods = {p.exp2_poly_period for p in found}
+    assert {0, 2, 3, 4, 8} <= periods
+    assert any(p.rescale_threshold == 0.0 for p in found)
+    assert len({p.canonical_json() for p in found}) == len(found)

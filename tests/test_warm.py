@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from fa4gen.cli import collect_spec_files, warm_one
+from fa4gen.cli import _candidate_jobs, collect_spec_files, warm_one
+from fa4gen.planner import candidates
+from fa4gen.spec import load_spec
 
 ISOLATED_ENV = ("FA4GEN_CACHE_DIR", "FA4GEN_NO_COMPILE", "FA4GEN_CACHE_TRUSTED",
                 "FA4GEN_CACHE_SIZE_LIMIT", "FA4GEN_TOOLCHAIN")
@@ -165,3 +167,15 @@ def test_worker_takes_and_returns_plain_data(tmp_path: Path) -> None:
     assert reserved["status"] == "failed" and "sm_100a" in reserved["error"]
     assert isinstance(reserved["seconds"], float)
     assert pickle.loads(pickle.dumps(reserved)) == reserved
+
+
+def test_tuning_candidates_become_one_job_each(tmp_path: Path) -> None:
+    specs = write_specs(tmp_path)
+    jobs = _candidate_jobs(specs / "plain.yml", "sm_90a")
+    assert len(jobs) == len(candidates(load_spec(specs / "plain.yml"), "sm_90a")) > 5
+    assert jobs[0].candidate is None and [job.candidate for job in jobs[1:]] == list(range(1, len(jobs)))
+    assert jobs[3].label.endswith("[candidate 3]")
+    # a spec that does not validate stays one job, so its build reports the error
+    assert [job.candidate for job in _candidate_jobs(specs / "nested" / "bad.yaml", "sm_90a")] == [None]
+    miss = warm_one(str(specs / "plain.yml"), "sm_90a", str(tmp_path / "cache"), True, 2)
+    assert miss is None  # not compiled yet, and the quick pass never compiles

@@ -71,6 +71,8 @@ class HopperAttentionForward(Sm90MainLoop):
         pingpong: bool = False,
         persistent: bool = True,
         separate_o_smem: bool = True,
+        exp2_poly_period: int = 0,
+        rescale_threshold: float = 0.0,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -89,7 +91,8 @@ class HopperAttentionForward(Sm90MainLoop):
         self.has_left_mask = window_left is not None
         self.has_right_mask = window_right is not None
         self.scheduler = TileScheduler(heavy_first=window_left is not None or window_right is not None)
-        self.softmax = OnlineSoftmax(scale_log2, num_rows=2)
+        self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
+                                     rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
         # O is staged in its own buffer (Q is released right after the main loop, so the next
         # tile's Q loads during this tile's epilogue) or over each warpgroup's own Q rows

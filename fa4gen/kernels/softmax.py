@@ -4,6 +4,14 @@ Scores arrive as a (rows, columns) register view. Four consecutive lanes share e
 wgmma C layout), so row maxima are reduced across the quad; row sums stay per-thread until the
 end, when one quad reduction finishes them. Exponentials use base 2 with the softmax scale folded
 into one FMA: p = exp2(s * scale_log2 - max * scale_log2).
+
+Two FlashAttention-4 ideas relieve the exponential unit and the FMA pipe, each a compile-time
+choice of the plan:
+- ``exp2_poly_period`` k > 0: every k-th exponential of a row runs as a polynomial on the FMA
+  units (fastmath.exp2_poly) instead of MUFU ``ex2``;
+- ``rescale_threshold`` t > 0 (log2 units): a row keeps its stale running max until a tile's max
+  exceeds it by more than t, so probabilities may reach 2^t (harmless in fp32 sums and in
+  bf16/fp16 P) and the O rescale is skipped by every warp whose rows all kept their max.
 """
 
 from __future__ import annotations
@@ -14,14 +22,29 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from fa4gen.kernels.fastmath import exp2_poly
+
 QUAD = 4  # lanes that share one row of a wgmma accumulator
 LN2 = math.log(2.0)
 
 
 class OnlineSoftmax:
-    def __init__(self, scale_log2: float, num_rows: int):
+    def __init__(self, scale_log2: float, num_rows: int, exp2_poly_period: int = 0, rescale_threshold: float = 0.0):
+        assert exp2_poly_period >= 0 and rescale_threshold >= 0.0
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
+        self.exp2_poly_period = exp2_poly_period
+        self.rescale_threshold = rescale_threshold
+
+    def _on_fma_units(self, column: int) -> bool:
+        period = self.exp2_poly_period
+        return period > 0 and column % period == period - 1
+
+    def exp2(self, x: Float32, column: int) -> Float32:
+        """2^x for the score in ``column`` of a row (a trace-time choice of the unit)."""
+        if self._on_fma_units(column):
+            return exp2_poly(x)
+        return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def make_state(self):
@@ -44,21 +67,40 @@ class OnlineSoftmax:
             tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=QUAD)
             prev_max = row_max[r]
             new_max = cute.arch.fmax(prev_max, tile_max)
+            if cutlass.const_expr(self.rescale_threshold > 0.0):
+                # keep the stale max unless the row grew past the threshold (always from -inf)
+                grown = (new_max - prev_max) * scale > Float32(self.rescale_threshold)
+                new_max = Float32(cutlass.select_(grown, new_max, prev_max))
             # a row with no visible key so far keeps max -inf: use 0 so exp2 gives 0, never NaN
             safe_max = new_max
             if new_max == -Float32.inf:
                 safe_max = Float32(0.0)
             max_scaled = safe_max * scale
-            correction[r] = cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
+            # exactly 1 when the max stayed: the threshold's skipped rescale tests for it
+            correction[r] = Float32(cutlass.select_(
+                new_max == prev_max, Float32(1.0), cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
+            ))
             row_max[r] = new_max
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-                scores_mn[r, c] = cute.math.exp2(scores_mn[r, c] * scale - max_scaled, fastmath=True)
+                scores_mn[r, c] = self.exp2(scores_mn[r, c] * scale - max_scaled, c)
             tile_sum = scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             row_sum[r] = row_sum[r] * correction[r] + tile_sum
         return correction
 
     @cute.jit
     def rescale(self, out_mn: cute.Tensor, correction: cute.Tensor):
+        """O *= correction per row; with a threshold, only in warps where some row moved its max."""
+        if cutlass.const_expr(self.rescale_threshold > 0.0):
+            moved = correction[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(out_mn, mode=[0])):
+                moved = moved | (correction[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                self._multiply_rows(out_mn, correction)
+        else:
+            self._multiply_rows(out_mn, correction)
+
+    @cute.jit
+    def _multiply_rows(self, out_mn: cute.Tensor, correction: cute.Tensor):
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                 out_mn[r, c] = out_mn[r, c] * correction[r]
