@@ -205,6 +205,8 @@ def tune_command(
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
     seqlens: Annotated[str, typer.Option("--seqlens", help="Sequence lengths to time, comma-separated.")] = "2048,8192",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over the candidates (alternating "
+                                                                 "direction; even counts cancel drift).")] = 4,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """On a GPU: time the planner's candidate plans for a spec and record the fastest, which
@@ -214,7 +216,7 @@ def tune_command(
     with _reporting_errors():
         lengths = tuple(int(part) for part in seqlens.split(",") if part.strip())
         result = tune(load_spec(spec_file), arch, cache_dir=_cache_root(ctx, cache_dir), seqlens=lengths,
-                      log=typer.echo)
+                      log=typer.echo, rounds=rounds)
     typer.echo(f"\nbest: {max(result.rows, key=lambda row: row['score'])['changes']}\nrecorded in {result.path}")
 
 

@@ -76,7 +76,8 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             "at 384 FLOPs each, so 1 in 8 goes to the FMA units"),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
-    TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB"),
+    TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
+            "64 on the H200); Q + 2 stages = 224 KB"),
 )
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
@@ -237,6 +238,11 @@ def _sm90_variant(base: Plan, why: str, **update) -> Plan:
     return changed.model_copy(update={"smem_bytes": smem, "reasons": reasons})
 
 
+def _schedule(p: Plan) -> dict:
+    """What a plan makes the kernel do (reasons and the derived smem figure aside)."""
+    return p.model_dump(exclude={"reasons", "smem_bytes"})
+
+
 def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]:
     """The planner's plan first, then single-step variations of it that fit the hardware:
     what ``fa4gen tune`` times on a GPU to pick a plan by measurement."""
@@ -260,6 +266,6 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
                                                     "consumer_regs": consumer_regs}))
     for why, update in filter(None, flips):
         variant = _sm90_variant(base, why, **update)
-        if _sm90_fits(variant) and all(variant.canonical_json() != p.canonical_json() for p in found):
+        if _sm90_fits(variant) and all(_schedule(variant) != _schedule(p) for p in found):
             found.append(variant)
     return found

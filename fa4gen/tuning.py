@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import statistics
 import tempfile
 import time
 import warnings
@@ -28,6 +29,7 @@ from fa4gen.spec import AttentionSpec
 
 TUNED_DIR = "tuned"
 DEFAULT_SEQLENS = (2048, 8192)
+DEFAULT_ROUNDS = 4  # even: see tune()
 
 
 def current_device_name() -> str | None:
@@ -106,8 +108,10 @@ def tune(
     device: str | None = None,
     measure: Callable[[AttentionSpec, Plan, tuple[int, ...], Path | None], list[float]] = gpu_measure,
     log: Callable[[str], None] = lambda line: None,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> TuneResult:
-    """Time every candidate plan, record the one with the best geometric-mean TFLOP/s."""
+    """Time every candidate plan (``rounds`` passes, alternating direction; mean per candidate)
+    and record the one with the best geometric-mean TFLOP/s over ``seqlens``."""
     from fa4gen.cache import KernelCache
 
     target = Arch.parse(arch)
@@ -116,12 +120,21 @@ def tune(
         raise UnsupportedArchError("fa4gen tune times kernels on a GPU: no CUDA device is visible")
     root = KernelCache(cache_dir).root
     plans = candidates(spec, target)
+    # rounds alternate forward and backward through the candidates, and each candidate scores
+    # its mean: a shared GPU drifts (clocks, neighbours) over a tuning run, and with an even
+    # number of rounds every candidate's average position in time is the same, so linear drift
+    # favours none of them (one pass in a fixed order would favour whichever ran first)
+    samples: list[list[list[float]]] = [[] for _ in plans]
+    for round_ in range(rounds):
+        order = range(len(plans)) if round_ % 2 == 0 else reversed(range(len(plans)))
+        for index in order:
+            samples[index].append(measure(spec, plans[index], seqlens, root))
     rows = []
-    for plan in plans:
-        tflops = measure(spec, plan, seqlens, root)
+    for plan, runs in zip(plans, samples):
+        tflops = [statistics.fmean(run[i] for run in runs) for i in range(len(seqlens))]
         score = math.exp(sum(map(math.log, tflops)) / len(tflops))
         rows.append({"changes": _changes(plans[0], plan), "tflops": dict(zip(map(str, seqlens), tflops)),
-                     "score": score})
+                     "score": score, "rounds": len(runs)})
         log(f"{rows[-1]['changes']:48} " + " ".join(f"S={s}: {t:.0f}" for s, t in zip(seqlens, tflops)))
     best_index = max(range(len(rows)), key=lambda i: rows[i]["score"])
     path = record_plan(root, spec, target, device, plans[best_index], rows)

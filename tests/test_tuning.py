@@ -78,3 +78,31 @@ def test_no_gpu_and_broken_records(tmp_path):
     path.write_text("{not json")
     with pytest.warns(RuntimeWarning, match="ignoring the tuned plan"):
         assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU X") is None
+
+
+def test_alternating_rounds_cancel_drift(tmp_path):
+    """A GPU that slows down steadily during the run (30% per pass, far more than the 3% the best
+    candidate is ahead) must not hand the win to the candidates measured first."""
+    spec = fa4gen.AttentionSpec(head_dim=128)
+    plans = candidates(spec, "sm_90a")
+    best = plans[-1]
+    calls = []
+
+    def drifting(spec_, plan, seqlens, cache_dir):
+        calls.append(plan)
+        true_speed = 103.0 if plan == best else 100.0
+        return [true_speed * (1.0 - 0.3 * len(calls) / len(plans)) for _ in seqlens]
+
+    result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=drifting, rounds=4)
+    assert len(calls) == 4 * len(plans)
+    assert all(row["rounds"] == 4 for row in result.rows)
+    assert result.best == best
+    calls.clear()
+    single = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=drifting, rounds=1)
+    assert single.best != best  # what one fixed-order pass would have picked
+
+
+def test_candidates_differ_in_schedule_not_only_in_reasons():
+    for spec in (fa4gen.AttentionSpec(head_dim=64), fa4gen.AttentionSpec(head_dim=128, softcap=30.0), fa4gen.AttentionSpec(head_dim=256)):
+        schedules = [p.model_dump(exclude={"reasons", "smem_bytes"}) for p in candidates(spec, "sm_90a")]
+        assert all(a != b for i, a in enumerate(schedules) for b in schedules[i + 1:])
