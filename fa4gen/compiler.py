@@ -19,6 +19,7 @@ from typing import Any
 from fa4gen.emitter import EmittedKernel
 from fa4gen.planner import Plan
 from fa4gen.spec import AttentionSpec, dump_spec
+from fa4gen.variants import lower
 
 ENTRY = "fa4gen_attention"  # exported symbol of every artifact
 SOURCE_FILE = "kernel.py"
@@ -33,10 +34,11 @@ class CompileError(RuntimeError):
 
 
 def fake_arguments(spec: AttentionSpec) -> list[Any]:
-    """Stand-ins for (q, k, v, o, lse, num_ctas, stream): symbolic B, S, H; static head dims."""
+    """Stand-ins for (q, k, v, o, lse, num_ctas, *extras, stream): symbolic B, S, H and aux sizes;
+    static head dims. The extras follow fa4gen.variants.lower (one place for their order)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
 
@@ -55,7 +57,17 @@ def fake_arguments(spec: AttentionSpec) -> list[Any]:
         )
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     num_ctas = cutlass.Int32(1)  # a run-time scalar: the SM count of the device it runs on
-    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, num_ctas, stream]
+    scalar_type = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    extras = []
+    for extra in lower(spec).extras:
+        element = scalar_type[extra.dtype]
+        if extra.is_tensor:  # compact row-major, sizes symbolic unless the spec fixes them
+            shape = tuple(dim if isinstance(dim, int) else cute.sym_int32() for dim in extra.shape)
+            extras.append(make_fake_compact_tensor(element, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                                   assumed_align=4))
+        else:
+            extras.append(element(0))
+    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, num_ctas, *extras, stream]
 
 
 def import_source(path: Path, module_name: str):
@@ -99,9 +111,8 @@ def build_artifact(spec: AttentionSpec, plan: Plan, emitted: EmittedKernel, out_
     module = import_source(source_path, emitted.module_name)
     started = time.perf_counter()
     try:
-        kernel = module.make_kernel()
         options = f"--gpu-arch {plan.arch} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump_dir}"
-        compiled = cute.compile(kernel, *fake_arguments(spec), options=options)
+        compiled = cute.compile(module.entry, *fake_arguments(spec), options=options)
     except Exception as exc:  # surface as one error naming the variant, never raw MLIR alone
         raise CompileError(
             f"fa4gen failed to compile a valid spec ({spec.summary()}) for {plan.arch}; "

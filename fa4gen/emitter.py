@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict
 
 from fa4gen import __version__
 from fa4gen.planner import Plan
+from fa4gen.expr import render_cute
 from fa4gen.spec import AttentionSpec, dump_spec
+from fa4gen.variants import lower
 
 LOG2E = math.log2(math.e)
 
@@ -73,6 +75,9 @@ def _environment():
 def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") -> EmittedKernel:
     kernel_module, template_name = KERNEL_TEMPLATES[plan.kernel]
     template = _environment().get_template(template_name)
+    lowered = lower(spec)
+    # aux tensors and scalars live on the kernel's run-time argument holder
+    names = {extra.name: f"args.{extra.name}" for extra in lowered.extras}
     source = template.render(
         version=__version__,
         spec=spec,
@@ -83,5 +88,11 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         softcap=spec.softcap,
         scale=spec.scale,
         log2e=LOG2E,
+        score_code=None if lowered.score is None else render_cute(lowered.score, names),
+        score_text=None if lowered.score is None else lowered.score.text,
+        mask_code=None if lowered.mask is None else render_cute(lowered.mask, names),
+        mask_text=None if lowered.mask is None else lowered.mask.text,
+        extras=lowered.extras,
+        chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
     )
     return EmittedKernel(module_name=module_name, template=template_name, source=source)

@@ -8,7 +8,7 @@ walking the tree with torch operations) and CuTe DSL source for the emitted kern
 
 The language:
 - variables: ``score`` (float; only where a score is being modified), ``b``, ``h``, ``q_idx``,
-  ``kv_idx`` (int), and the scalars and aux tensors the spec declares;
+  ``kv_idx``, ``seqlen_q``, ``seqlen_k`` (int), and the scalars and aux tensors the spec declares;
 - literals: integers, floats, ``True`` / ``False``;
 - arithmetic ``+ - * / //`` and unary ``-``; comparisons ``< <= > >= == !=`` (chains allowed);
   ``and`` / ``or`` / ``not``;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 Type = Literal["int", "float", "bool"]
-INDEX_VARIABLES = ("b", "h", "q_idx", "kv_idx")
+INDEX_VARIABLES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k")
 MAX_LENGTH = 2000
 MAX_NODES = 400
 MAX_DEPTH = 40
@@ -301,6 +301,9 @@ def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str
         if node.kind == "var":
             return names.get(node.value, node.value)
         args = [walk(arg) for arg in node.args]
+        if node.kind in ("bin", "cmp", "call") and any(a.type == "float" for a in node.args):
+            # mixed int/float operands: convert the ints explicitly, as Python would implicitly
+            args = [f"Float32({code})" if a.type == "int" else code for a, code in zip(node.args, args)]
         if node.kind == "neg":
             return f"(-{args[0]})"
         if node.kind == "not":

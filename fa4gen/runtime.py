@@ -18,6 +18,7 @@ from typing import Any
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.planner import Plan
 from fa4gen.spec import AttentionSpec
+from fa4gen.variants import Extra, lower, standard_alibi_slopes
 
 RUNTIME_LIB_ENV = "FA4GEN_CUTE_RUNTIME_LIB"  # explicit path to libcute_dsl_runtime.so
 RUNTIME_LIB = "libcute_dsl_runtime.so"
@@ -88,26 +89,44 @@ class AttentionKernel:
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
 
-    def __call__(self, q, k, v, *, out=None, lse=None):
-        """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs."""
+    def __call__(self, q, k, v, *, out=None, lse=None, sinks=None, alibi_slopes=None, rel_bias=None,
+                 prefix_lengths=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                 aux=None):
+        """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs; the
+        other keywords are the variant's run-time values (see ``AttentionSpec``): each is
+        required exactly when the spec uses it. With a document mask q, k, v are packed
+        (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_*``
+        are accepted for API compatibility; tiles cover the packed tokens)."""
         import torch
 
         if lse is not None and not self.spec.return_lse:
             raise ValueError("lse= was given, but the spec was compiled without return_lse")
+        varlen = self.spec.is_varlen
+        if varlen:
+            q, k, v = (_packed_as_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
         o_shape = (batch, seqlen_q, heads_q, self.spec.dv)
+        lse_shape = (batch, heads_q, seqlen_q)
+        if varlen:  # outputs keep the packed layout the caller uses
+            out = None if out is None else _packed_as_batch("out", out, check=False)
+            lse = None if lse is None else lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
         if out is None:
             out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
         else:
             _check_output("out", out, o_shape, q.dtype, q.device)
-        lse_shape = (batch, heads_q, seqlen_q)
         if self.spec.return_lse:
             if lse is None:
                 lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             else:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
+                 "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k))
         if out.numel() > 0:
-            self._function(q, k, v, out, lse, multiprocessor_count(q.device))
+            self._function(q, k, v, out, lse, multiprocessor_count(q.device), *extras)
+        if varlen:
+            out = out.squeeze(0)
+            lse = None if lse is None else lse.squeeze(0)
         return (out, lse) if self.spec.return_lse else out
 
 
@@ -193,3 +212,98 @@ def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     return q.shape[0], q.shape[1], q.shape[2]
+
+
+# ----------------------------------------------------------------------------- variant arguments
+def _packed_as_batch(name: str, t: Any, check: bool = True):
+    """A packed (total, H, D) tensor as the kernel's (1, total, H, D)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if check and t.dim() != 3:
+        raise ValueError(f"{name} must be packed as (total_tokens, heads, head_dim) for a document mask, "
+                         f"got shape {tuple(t.shape)}")
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+@lru_cache(maxsize=64)
+def _standard_slopes(heads: int, device: str):
+    import torch
+
+    return torch.tensor(standard_alibi_slopes(heads), dtype=torch.float32, device=device)
+
+
+def _resolve_dim(dim, sizes: dict[str, int], name: str) -> int:
+    if isinstance(dim, int):
+        return dim
+    if dim not in sizes:
+        raise ValueError(f"{name}: unknown size {dim!r}")
+    return sizes[dim]
+
+
+def _check_extra_tensor(extra: Extra, t: Any, sizes: dict[str, int], device: Any) -> None:
+    import torch
+
+    dtype = {"float32": torch.float32, "int32": torch.int32}[extra.dtype]
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{extra.name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
+    shape = tuple(_resolve_dim(d, sizes, extra.name) for d in extra.shape)
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise ValueError(f"{extra.name} must be a {dtype} tensor of shape {shape} "
+                         f"({', '.join(map(str, extra.shape))}), got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{extra.name} is on {t.device}, the inputs are on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{extra.name} must be contiguous; call .contiguous() first")
+
+
+def _check_scalar(extra: Extra, value: Any):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"scalar {extra.name} must be a number, got {type(value).__name__}")
+    if extra.dtype == "int32":
+        if not isinstance(value, int) or not -(2**31) <= value < 2**31:
+            raise ValueError(f"scalar {extra.name} is int32: got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dict[str, Any] | None,
+                      max_seqlens: tuple = (None, None)) -> list[Any]:
+    """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch."""
+    extras = lower(spec).extras
+    wanted = {e.role for e in extras}
+    for name, value in given.items():
+        if value is not None and name not in wanted:
+            raise ValueError(f"{name}= was given, but the spec ({spec.summary()}) does not use it")
+    for name, value in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlens):
+        if value is not None and (not spec.is_varlen or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int, and only with a document mask")
+    aux = dict(aux or {})
+    declared = {e.name for e in extras if e.role in ("aux", "scalar")}
+    unknown = set(aux) - declared
+    if unknown:
+        raise ValueError(f"aux has {', '.join(sorted(unknown))}, which the spec does not declare "
+                         f"(declared: {', '.join(sorted(declared)) or 'none'})")
+    cu_q = given.get("cu_seqlens_q")
+    docs = cu_q.shape[0] if getattr(cu_q, "ndim", 0) == 1 else 0
+    sizes = {"B": q.shape[0], "Hq": q.shape[2], "Hkv": k.shape[2], "Sq": q.shape[1], "Sk": k.shape[1], "docs+1": docs}
+    values = []
+    for extra in extras:
+        if extra.role == "scalar":
+            if extra.name not in aux:
+                raise ValueError(f"aux[{extra.name!r}] is missing: the spec declares scalar {extra.name} ({extra.dtype})")
+            values.append(_check_scalar(extra, aux[extra.name]))
+            continue
+        value = aux.get(extra.name) if extra.role == "aux" else given.get(extra.role)
+        if value is None and extra.role == "alibi_slopes" and spec.score_mod.slopes == "standard":
+            value = _standard_slopes(q.shape[2], str(q.device))
+        if value is None:
+            where = f"aux[{extra.name!r}]" if extra.role == "aux" else f"{extra.name}="
+            raise ValueError(f"{where} is missing: the spec ({spec.summary()}) needs a {extra.dtype} tensor of "
+                             f"shape ({', '.join(map(str, extra.shape))})")
+        if extra.role == "cu_seqlens_q" and docs < 2:
+            raise ValueError("cu_seqlens_q needs at least 2 entries (0 and the total)")
+        _check_extra_tensor(extra, value, sizes, q.device)
+        values.append(value)
+    return values

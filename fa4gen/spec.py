@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -40,6 +40,118 @@ def _check_head_dim(name: str, value: int) -> int:
             f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
         )
     return value
+
+
+SIZE_NAMES = ("B", "Hq", "Hkv", "Sq", "Sk")  # symbolic dims an aux tensor shape may use
+MAX_AUX_DIMS = 4
+MAX_RELATIVE_DISTANCE = 65536
+RESERVED_NAMES = frozenset({"score", "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "alibi_slopes", "rel_bias",
+                            "where", "min", "max", "abs", "exp", "exp2", "log", "tanh", "True", "False"})
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SlidingWindowMask(_Part):
+    """Same as the flat ``window_left`` / ``window_right`` fields (it is normalised into them)."""
+
+    kind: Literal["sliding_window"]
+    left: int | None = None
+    right: int | None = None
+
+
+class CausalMask(_Part):
+    kind: Literal["causal"]
+
+
+class NoMask(_Part):
+    kind: Literal["none"]
+
+
+class ChunkedMask(_Part):
+    """Llama-4 chunked attention: a query sees only earlier keys of its own chunk of ``size``."""
+
+    kind: Literal["chunked"]
+    size: int = Field(..., ge=1, le=MAX_WINDOW)
+
+
+class PrefixLMMask(_Part):
+    """Bidirectional over a per-batch prefix, causal after it; the prefix lengths are a run-time
+    int32 tensor of shape (B,) passed as ``prefix_lengths=``."""
+
+    kind: Literal["prefix_lm"]
+
+
+class DocumentMask(_Part):
+    """Packed sequences (varlen): q, k, v are (total, H, D) and ``cu_seqlens_q`` / ``cu_seqlens_k``
+    (int32, num_docs + 1) delimit the documents; a query sees only keys of its own document
+    (combined with ``causal`` / windows, aligned bottom-right per document)."""
+
+    kind: Literal["document"]
+
+
+class ExpressionMask(_Part):
+    """A condition over b, h, q_idx, kv_idx, seqlen_q, seqlen_k, declared scalars and aux
+    tensors: True where the key is visible (see fa4gen.expr). ANDed with causal / windows."""
+
+    kind: Literal["expression"]
+    expr: str
+
+
+class SoftcapMod(_Part):
+    """Same as the flat ``softcap`` field (it is normalised into it)."""
+
+    kind: Literal["softcap"]
+    cap: float
+
+
+class AlibiMod(_Part):
+    """score - slope[h] * |q_pos - k_pos| (positions aligned bottom-right). ``standard`` slopes are
+    the ALiBi paper's geometric sequence for the call's head count; ``tensor`` takes a float32
+    (Hq,) tensor as ``alibi_slopes=``."""
+
+    kind: Literal["alibi"]
+    slopes: Literal["standard", "tensor"] = "standard"
+
+
+class RelativeBiasMod(_Part):
+    """score + rel_bias[h, clip(k_pos - q_pos, -max_distance, max_distance) + max_distance]: a
+    run-time float32 table of shape (Hq, 2 * max_distance + 1) passed as ``rel_bias=`` (T5 style)."""
+
+    kind: Literal["relative_bias"]
+    max_distance: int = Field(..., ge=1, le=MAX_RELATIVE_DISTANCE)
+
+
+class ExpressionMod(_Part):
+    """A number over score (already scaled by softmax_scale), b, h, q_idx, kv_idx, seqlen_q,
+    seqlen_k, declared scalars and aux tensors (see fa4gen.expr)."""
+
+    kind: Literal["expression"]
+    expr: str
+
+
+class AuxTensorSpec(_Part):
+    """A tensor an expression reads, passed at call time in ``aux={name: tensor}``; its values
+    never recompile. ``shape`` entries are integers or the call's sizes B, Hq, Hkv, Sq, Sk."""
+
+    dtype: Literal["float32", "int32"]
+    shape: tuple[int | Literal["B", "Hq", "Hkv", "Sq", "Sk"], ...] = Field(..., min_length=1, max_length=MAX_AUX_DIMS)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, value: tuple) -> tuple:
+        for dim in value:
+            if isinstance(dim, int) and not 1 <= dim <= 2**31 - 1:
+                raise ValueError(f"aux dimension {dim} is not allowed: use 1..2^31-1 or one of {', '.join(SIZE_NAMES)}")
+        return value
+
+
+MaskField = Annotated[
+    Union[NoMask, CausalMask, SlidingWindowMask, ChunkedMask, PrefixLMMask, DocumentMask, ExpressionMask],
+    Field(discriminator="kind"),
+]
+ScoreModField = Annotated[Union[SoftcapMod, AlibiMod, RelativeBiasMod, ExpressionMod], Field(discriminator="kind")]
 
 
 class AttentionSpec(BaseModel):
@@ -81,6 +193,60 @@ class AttentionSpec(BaseModel):
         None, description="Multiplier of q.k before softmax (default 1/sqrt(head_dim))."
     )
     return_lse: bool = Field(False, description="Also return the log-sum-exp per query row (B, Hq, Sq).")
+    mask: MaskField | None = Field(
+        None, description="none | causal | sliding_window | chunked | prefix_lm | document | expression "
+        "(a string for kinds without parameters, else a mapping with `kind`)."
+    )
+    score_mod: ScoreModField | None = Field(
+        None, description="softcap | alibi | relative_bias | expression, applied to the scaled score "
+        "(before softcap when both are given)."
+    )
+    sinks: bool = Field(False, description="Learnable per-head sink logits (float32 (Hq,), passed as sinks=): "
+                        "each row's softmax also counts exp(sink), which takes no value.")
+    aux: dict[str, AuxTensorSpec] = Field(default_factory=dict, description="Tensors expressions read, by name.")
+    scalars: dict[str, Literal["float32", "int32"]] = Field(
+        default_factory=dict, description="Scalars expressions read, by name (passed as aux={name: number}).")
+
+    @field_validator("mask", "score_mod", mode="before")
+    @classmethod
+    def _kind_shorthand(cls, value: Any) -> Any:
+        """``mask: causal`` is ``mask: {kind: causal}``."""
+        return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_flat_kinds(cls, data: Any) -> Any:
+        """``mask: causal / sliding_window / none`` and ``score_mod: softcap`` are spellings of the flat
+        fields; fold them in so each variant has one canonical form."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        mask, mod = data.get("mask"), data.get("score_mod")
+        mask = {"kind": mask} if isinstance(mask, str) else mask
+        mod = {"kind": mod} if isinstance(mod, str) else mod
+        if isinstance(mask, BaseModel):
+            mask = mask.model_dump()
+        if isinstance(mod, BaseModel):
+            mod = mod.model_dump()
+        kind = mask.get("kind") if isinstance(mask, dict) else None
+        if kind in ("none", "causal", "sliding_window"):
+            extra = set(mask) - {"kind", "left", "right"} if kind == "sliding_window" else set(mask) - {"kind"}
+            if extra:
+                return data  # the field's own validation names the unknown keys
+            flat = {"causal": kind == "causal"}
+            if kind == "sliding_window":
+                flat = {"window_left": mask.get("left"), "window_right": mask.get("right")}
+            for name, value in flat.items():
+                if data.get(name) not in (None, False) and data.get(name) != value:
+                    raise ValueError(f"mask: {kind} and {name}={data[name]!r} both given: set the mask once")
+                data[name] = value
+            data["mask"] = None
+        if isinstance(mod, dict) and mod.get("kind") == "softcap" and set(mod) <= {"kind", "cap"}:
+            if data.get("softcap") is not None:
+                raise ValueError("score_mod: softcap and softcap= both given: set the cap once")
+            data["softcap"] = mod.get("cap")
+            data["score_mod"] = None
+        return data
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -155,6 +321,27 @@ class AttentionSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _variant_rules(self) -> AttentionSpec:
+        """Which mask kinds combine with the flat fields, and names the expressions may use."""
+        kind = self.mask.kind if self.mask is not None else None
+        if kind == "prefix_lm" and (self.causal or self.window_left is not None or self.window_right is not None):
+            raise ValueError("mask: prefix_lm already fixes the visible keys (prefix bidirectional, causal after): "
+                             "drop causal / window_left / window_right")
+        if kind == "chunked" and self.window_right not in (None, 0):
+            raise ValueError(f"mask: chunked is causal within each chunk: window_right={self.window_right} conflicts")
+        for name in (*self.aux, *self.scalars):
+            if not name.isidentifier() or name.startswith("_") or name in RESERVED_NAMES:
+                raise ValueError(f"aux/scalar name {name!r} is not allowed: use an identifier that is not one of "
+                                 f"{', '.join(sorted(RESERVED_NAMES))} and does not start with _")
+        both = set(self.aux) & set(self.scalars)
+        if both:
+            raise ValueError(f"{', '.join(sorted(both))} declared both as aux tensor and as scalar")
+        from fa4gen.variants import lower  # expressions parse against the declared names
+
+        lower(self)
+        return self
+
     # ---- resolved values (what the planner and kernel use) ----
     @property
     def dv(self) -> int:
@@ -167,7 +354,17 @@ class AttentionSpec(BaseModel):
     @property
     def right_bound(self) -> int | None:
         """Keys visible after the query position (None: unbounded)."""
-        return 0 if self.causal else self.window_right
+        chunked = self.mask is not None and self.mask.kind == "chunked"
+        return 0 if self.causal or chunked else self.window_right
+
+    @property
+    def mask_kind(self) -> str | None:
+        """chunked, prefix_lm, document or expression (None: only the flat fields)."""
+        return None if self.mask is None else self.mask.kind
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.mask_kind == "document"
 
     @property
     def left_bound(self) -> int | None:
@@ -175,7 +372,7 @@ class AttentionSpec(BaseModel):
 
     @property
     def has_mask(self) -> bool:
-        return self.right_bound is not None or self.left_bound is not None
+        return self.right_bound is not None or self.left_bound is not None or self.mask is not None
 
     def canonical(self) -> dict[str, Any]:
         """Defaults resolved, so two specs that compute the same thing compare equal."""
@@ -201,8 +398,17 @@ class AttentionSpec(BaseModel):
             parts.append("causal")
         if self.window_left is not None or self.window_right is not None:
             parts.append(f"window({self.window_left},{self.right_bound})")
+        if self.mask is not None:
+            detail = {"chunked": lambda m: f"chunked{m.size}", "expression": lambda m: "mask-expr"}
+            parts.append(detail.get(self.mask.kind, lambda m: m.kind)(self.mask))
+        if self.score_mod is not None:
+            detail = {"relative_bias": lambda m: f"relbias{m.max_distance}", "expression": lambda m: "mod-expr",
+                      "alibi": lambda m: "alibi" if m.slopes == "standard" else "alibi-tensor"}
+            parts.append(detail[self.score_mod.kind](self.score_mod))
         if self.softcap is not None:
             parts.append(f"softcap{self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
         if self.return_lse:
             parts.append("lse")
         return " ".join(parts)

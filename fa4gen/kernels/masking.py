@@ -1,13 +1,16 @@
-"""Structural masks: which key tiles a query tile needs, which of them need mask code.
+"""Structural masks: the keys each query row sees, which key tiles a query tile needs, and which
+of those need mask code.
 
-Positions are aligned bottom-right: query row i sits at key position i + (Sk - Sq). A row sees
-keys in [i + off - left, i + off + right] (a bound of None is unbounded) and below Sk.
-
-For one query tile the key tiles split in three runs, visited from the highest key tile down
-(the diagonal first, so the running max is found early):
-  [split_hi, n_max)   boundary tiles on the right bound / ragged Sk: masked
-  [split_lo, split_hi) interior tiles: no mask code at all
-  [n_min, split_lo)   boundary tiles on the left bound: masked
+Every structural mask gives query row i one visible key interval [start(i), end(i)):
+- plain: [0, Sk); positions aligned bottom-right, so row i sits at key position p = i + Sk - Sq;
+- causal / windows: end <= p + right + 1, start >= p - left;
+- chunked(C): start >= (p // C) * C and end <= p + 1 (causal within the chunk);
+- prefix-LM: [0, max(p + 1, prefix[b])), the prefix length a run-time tensor per batch;
+- document (packed sequences): the interval of the row's own document from cu_seqlens, with
+  p aligned to that document's end, combined with causal / windows as above.
+Both start(i) and end(i) never decrease with i, so a query tile's key range comes from its first
+and last rows alone: tiles in [n_min, split_lo) and [split_hi, n_max) are masked boundary tiles,
+tiles in [split_lo, split_hi) are interior (no mask code), and the rest are never loaded.
 """
 
 from __future__ import annotations
@@ -20,62 +23,93 @@ from cutlass import Int32
 
 
 class KeyTileRange:
-    """Compile-time mask bounds; run-time sizes come in as arguments."""
+    """Compile-time mask structure; run-time sizes and tensors (prefix lengths, cu_seqlens) come
+    in as arguments (``args``: the variant's run-time values, see fa4gen.kernels.variant)."""
 
-    def __init__(self, tile_m: int, tile_n: int, left: Optional[int], right: Optional[int]):
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.left = left
-        self.right = right
+    def __init__(self, tile_m: int, tile_n: int, left: Optional[int], right: Optional[int],
+                 chunk: Optional[int] = None, prefix: bool = False, document: bool = False):
+        self.tile_m, self.tile_n = tile_m, tile_n
+        self.left, self.right, self.chunk = left, right, chunk
+        self.prefix, self.document = prefix, document
+
+    @property
+    def structural(self) -> bool:
+        """Whether any bound beyond the ragged end of Sk exists."""
+        return (self.left is not None or self.right is not None or self.chunk is not None or self.prefix
+                or self.document)
 
     @cute.jit
-    def bounds(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """(n_min, split_lo, split_hi, n_max) for query tile ``m_block``; n_max <= n_min: no keys."""
-        tile_m, tile_n = self.tile_m, self.tile_n
-        offset = seqlen_k - seqlen_q
-        first_row = m_block * tile_m
-        last_row = cutlass.min(first_row + tile_m, seqlen_q) - 1
-        n_max = cute.ceil_div(seqlen_k, tile_n)
-        # tiles wholly below Sk and wholly left of the right bound for every row of the tile
-        split_hi = seqlen_k // tile_n
+    def document_of(self, row: Int32, cu_seqlens: cute.Tensor) -> Int32:
+        """The largest d with cu_seqlens[d] <= row (binary search; empty documents are skipped)."""
+        lo = Int32(0)
+        hi = Int32(cu_seqlens.shape[0] - 2)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cu_seqlens[mid] <= row:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @cute.jit
+    def row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """[start, end) of the keys query row ``row`` sees (end <= start: none)."""
+        start = Int32(0)
+        end = seqlen_k
+        position = row + seqlen_k - seqlen_q
+        if cutlass.const_expr(self.document):
+            doc = self.document_of(row, args.cu_seqlens_q)
+            start = args.cu_seqlens_k[doc]
+            end = args.cu_seqlens_k[doc + 1]
+            position = row + end - args.cu_seqlens_q[doc + 1]
         if cutlass.const_expr(self.right is not None):
-            visible_end = cutlass.max(last_row + offset + self.right + 1, 0)
-            n_max = cutlass.min(n_max, cute.ceil_div(visible_end, tile_n))
-            full_end = cutlass.max(first_row + offset + self.right + 1, 0)
-            split_hi = cutlass.min(split_hi, full_end // tile_n)
-        n_min = Int32(0)
-        split_lo = Int32(0)
+            end = cutlass.min(end, position + self.right + 1)
         if cutlass.const_expr(self.left is not None):
-            n_min = cutlass.max(first_row + offset - self.left, 0) // tile_n
-            split_lo = cute.ceil_div(cutlass.max(last_row + offset - self.left, 0), tile_n)
+            start = cutlass.max(start, position - self.left)
+        if cutlass.const_expr(self.chunk is not None):
+            start = cutlass.max(start, cutlass.max(position, 0) // self.chunk * self.chunk)
+        if cutlass.const_expr(self.prefix):
+            end = cutlass.min(cutlass.max(position + 1, args.prefix_lengths[batch]), seqlen_k)
+        return start, end
+
+    @cute.jit
+    def bounds(self, m_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """(n_min, split_lo, split_hi, n_max) for query tile ``m_block``; n_max <= n_min: no keys."""
+        tile_n = self.tile_n
+        first_row = m_block * self.tile_m
+        last_row = cutlass.min(first_row + self.tile_m, seqlen_q) - 1
+        first_start, first_end = self.row_range(first_row, batch, seqlen_q, seqlen_k, args)
+        last_start, last_end = self.row_range(last_row, batch, seqlen_q, seqlen_k, args)
+        n_min = cutlass.max(first_start, 0) // tile_n
+        n_max = cute.ceil_div(cutlass.max(last_end, 0), tile_n)
+        # interior: wholly inside every row's interval (and below Sk: the ragged last tile is masked)
+        split_lo = cute.ceil_div(cutlass.max(last_start, 0), tile_n)
+        split_hi = cutlass.min(cutlass.max(first_end, 0), seqlen_k) // tile_n
         split_hi = cutlass.max(cutlass.min(split_hi, n_max), n_min)
         split_lo = cutlass.min(cutlass.max(split_lo, n_min), split_hi)
         return n_min, split_lo, split_hi, n_max
 
     @cute.jit
-    def apply(
-        self,
-        scores_mn: cute.Tensor,
-        coords_mn: cute.Tensor,
-        row_base: Int32,
-        col_base: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-    ):
-        """Set scores outside the visible key range of their row to -inf (in place)."""
-        offset = seqlen_k - seqlen_q
+    def row_ranges(self, coords_mn: cute.Tensor, row_base: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                   args):
+        """The visible interval of each of this thread's rows, once per query tile."""
+        rows = cute.size(coords_mn, mode=[0])
+        starts = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        ends = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        for r in cutlass.range_constexpr(rows):
+            row = cutlass.min(row_base + coords_mn[r, 0][0], seqlen_q - 1)  # rows past Sq are discarded
+            starts[r], ends[r] = self.row_range(row, batch, seqlen_q, seqlen_k, args)
+        return starts, ends
+
+    @cute.jit
+    def apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
+              col_base: Int32):
+        """Set scores outside their row's visible interval to -inf (in place)."""
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
-            row = row_base + coords_mn[r, 0][0]
-            col_end = seqlen_k
-            if cutlass.const_expr(self.right is not None):
-                col_end = cutlass.min(col_end, row + offset + self.right + 1)
-            col_start = Int32(0)
-            if cutlass.const_expr(self.left is not None):
-                col_start = row + offset - self.left
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
                 col = col_base + coords_mn[0, c][1]
                 # a select, not a branch: one instruction per score and no control flow to trace
-                visible = (col < col_end) & (col >= col_start)
+                visible = (col < ends[r]) & (col >= starts[r])
                 scores_mn[r, c] = cutlass.Float32(
                     cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf)
                 )

@@ -33,6 +33,7 @@ from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
 from fa4gen.kernels.softmax import OnlineSoftmax
+from fa4gen.kernels.variant import VariantArgs
 
 EPILOGUE_BARRIER_BASE = 8  # named barriers 8..8+W-1: one per consumer warpgroup's O store
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
@@ -66,6 +67,12 @@ class HopperAttentionForward(Sm90MainLoop):
         window_left: Optional[int],
         window_right: Optional[int],
         score_mod: Optional[Callable] = None,
+        mask_mod: Optional[Callable] = None,
+        chunk: Optional[int] = None,
+        prefix_lm: bool = False,
+        document: bool = False,
+        sinks: bool = False,
+        extra_names: tuple = (),
         return_lse: bool = False,
         intra_warpgroup_overlap: bool = True,
         pingpong: bool = False,
@@ -83,14 +90,18 @@ class HopperAttentionForward(Sm90MainLoop):
         self.num_consumers = num_consumer_warpgroups
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
         self.score_mod = score_mod
+        self.mask_mod = mask_mod
+        self.sinks = sinks
+        self.extra_names = tuple(extra_names)
         self.return_lse = return_lse
         self.overlap = intra_warpgroup_overlap
         self.pingpong = pingpong and num_consumer_warpgroups > 1
         self.persistent = persistent
-        self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right)
-        self.has_left_mask = window_left is not None
-        self.has_right_mask = window_right is not None
-        self.scheduler = TileScheduler(heavy_first=window_left is not None or window_right is not None)
+        self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right, chunk, prefix_lm, document)
+        # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
+        self.has_left_mask = window_left is not None or chunk is not None or document
+        self.has_right_mask = window_right is not None or prefix_lm or document
+        self.scheduler = TileScheduler(heavy_first=self.key_tiles.structural)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -109,6 +120,7 @@ class HopperAttentionForward(Sm90MainLoop):
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: Optional[cute.Tensor],  # (B, Hq, Sq) fp32, or None
         num_ctas: Int32,  # CTAs of a persistent launch (the device's SM count)
+        extras: tuple,  # the variant's run-time tensors and scalars, named by extra_names
         stream: cuda.CUstream,
     ):
         dtype = mQ.element_type
@@ -163,7 +175,7 @@ class HopperAttentionForward(Sm90MainLoop):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
         self.kernel(
             tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout, extras,
         ).launch(
             grid=(grid_x, 1, 1),
             block=[self.threads, 1, 1],
@@ -203,7 +215,7 @@ class HopperAttentionForward(Sm90MainLoop):
     @cute.kernel
     def kernel(
         self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
-        sQ_layout, sK_layout, sV_layout, sO_layout,
+        sQ_layout, sK_layout, sV_layout, sO_layout, extras: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -222,6 +234,7 @@ class HopperAttentionForward(Sm90MainLoop):
         sizes = TileInfo(
             seqlen_q=mQ.shape[0], seqlen_k=mK.shape[0], num_heads=mQ.shape[2], num_batches=mQ.shape[3],
             num_m_blocks=cute.ceil_div(mQ.shape[0], self.tile_m),
+            args=VariantArgs(self.extra_names, extras),
         )
         sizes.num_tiles = sizes.num_m_blocks * sizes.num_heads * sizes.num_batches
         if warpgroup_idx == 0:
@@ -242,7 +255,8 @@ class HopperAttentionForward(Sm90MainLoop):
     @cute.jit
     def tile_info(self, tile: Int32, sizes):
         m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches)
-        n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, sizes.seqlen_q, sizes.seqlen_k)
+        n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
+                                                                 sizes.args)
         return TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo,
                         split_hi=split_hi, n_max=n_max)
 
@@ -347,6 +361,11 @@ class HopperAttentionForward(Sm90MainLoop):
         loop = self.make_loop_state(sQ, sK, sV, pipes, wg, wtidx, sizes)
         t = self.tile_info(tile, sizes)
         t.row_base = t.m_block * self.tile_m + wg * 64
+        loop.row_start, loop.row_end = self.key_tiles.row_ranges(
+            rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args
+        )
+        loop.args = sizes.args
+        loop.batch, loop.head = t.batch, t.head
         pipe_q.consumer_wait(q_state)
         if t.n_max > t.n_min:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
@@ -363,7 +382,10 @@ class HopperAttentionForward(Sm90MainLoop):
         """Normalise O, stage it in shared memory over this warpgroup's Q rows, TMA-store it
         (clipped to Sq rows and Dv columns), and write the LSE."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse)
+        sink = None
+        if cutlass.const_expr(self.sinks):
+            sink = Float32(loop.args.sinks[t.head])
+        self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink)
         convert_into(loop.acc_o, loop.thr_pv.partition_C(sO))
         cute.arch.fence_proxy("async.shared", space="cta")
         barrier = EPILOGUE_BARRIER_BASE + wg

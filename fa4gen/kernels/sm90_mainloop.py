@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
@@ -38,7 +37,7 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, has_left_mask, has_right_mask, score_mod, key_tiles, softmax."""
+    pingpong, has_left_mask, has_right_mask, score_mod, mask_mod, key_tiles, softmax."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
@@ -67,7 +66,9 @@ class Sm90MainLoop:
         boundary tiles execute mask code. Without a bound it is the constant False (the only
         ragged tile, the last one of Sk, is the first tile)."""
         masked = False
-        if cutlass.const_expr(self.has_right_mask and self.has_left_mask):
+        if cutlass.const_expr(self.mask_mod is not None):
+            masked = True  # an expression mask is checked on every tile
+        elif cutlass.const_expr(self.has_right_mask and self.has_left_mask):
             masked = n_block >= tile.split_hi or n_block < tile.split_lo
         elif cutlass.const_expr(self.has_right_mask):
             masked = n_block >= tile.split_hi
@@ -107,14 +108,36 @@ class Sm90MainLoop:
     def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked):
         """Score modifier, mask (``masked``: a Python bool or a run-time flag), online-softmax
         update; returns the per-row O correction."""
-        if cutlass.const_expr(self.score_mod is not None):
-            for j in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[j] = self.score_mod(acc_s[j])
         scores = rows_cols_view(acc_s)
+        coords = rows_cols_view(loop.coords_s)
+        col_base = n_block * self.tile_n
+        if cutlass.const_expr(self.score_mod is not None):
+            self.modify_scores(loop, tile, scores, coords, col_base)
         if masked:
-            self.key_tiles.apply(scores, rows_cols_view(loop.coords_s), tile.row_base, n_block * self.tile_n,
-                                 loop.seqlen_q, loop.seqlen_k)
+            self.key_tiles.apply(scores, coords, loop.row_start, loop.row_end, col_base)
+            if cutlass.const_expr(self.mask_mod is not None):
+                self.mask_scores(loop, tile, scores, coords, col_base)
         return self.softmax.update(scores, loop.row_max, loop.row_sum)
+
+    @cute.jit
+    def modify_scores(self, loop, tile, scores, coords, col_base: Int32):
+        """score_mod(q.k, b, h, q_idx, kv_idx, Sq, Sk, args) per score: indices it does not use
+        cost nothing (dead code)."""
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            row = tile.row_base + coords[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, c] = self.score_mod(scores[r, c], loop.batch, loop.head, row, col_base + coords[0, c][1],
+                                              loop.seqlen_q, loop.seqlen_k, loop.args)
+
+    @cute.jit
+    def mask_scores(self, loop, tile, scores, coords, col_base: Int32):
+        """The expression mask: -inf where mask_mod(b, h, q_idx, kv_idx, Sq, Sk, args) is False."""
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            row = tile.row_base + coords[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                visible = self.mask_mod(loop.batch, loop.head, row, col_base + coords[0, c][1], loop.seqlen_q,
+                                        loop.seqlen_k, loop.args)
+                scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
 
     # ------------------------------------------------------------------ one key tile
     @cute.jit

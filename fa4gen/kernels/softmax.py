@@ -106,15 +106,28 @@ class OnlineSoftmax:
                 out_mn[r, c] = out_mn[r, c] * correction[r]
 
     @cute.jit
-    def finalize(self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor):
-        """Normalise the output rows; write each row's natural-log LSE (-inf for empty rows)."""
+    def finalize(self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
+                 sink=None):
+        """Normalise the output rows; write each row's natural-log LSE (-inf for empty rows).
+
+        ``sink`` (a natural-log logit, or None): one more term exp(sink) in every row's
+        denominator that carries no value (attention sinks); a row that sees no key then gets
+        O = 0 and LSE = sink."""
         scale = Float32(self.scale_log2)
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=QUAD)
+            top = row_max[r] * scale  # log2 units; -inf for a row without keys
+            weight = Float32(1.0)  # what the accumulated O and total are worth at the final max
+            if cutlass.const_expr(sink is not None):
+                sink_log2 = sink * Float32(1.0 / LN2)
+                final = cute.arch.fmax(top, sink_log2)
+                weight = cute.math.exp2(top - final, fastmath=True)
+                total = total * weight + cute.math.exp2(sink_log2 - final, fastmath=True)
+                top = final
             inv = Float32(0.0)
             lse[r] = -Float32.inf
             if total > Float32(0.0):
-                inv = cute.arch.rcp_approx(total)
-                lse[r] = (row_max[r] * scale + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+                inv = cute.arch.rcp_approx(total) * weight
+                lse[r] = (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
             for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                 out_mn[r, c] = out_mn[r, c] * inv

@@ -1,0 +1,122 @@
+"""Spec -> the variant's expressions and run-time arguments, decided in one place.
+
+Built-in score modifiers are expressions over the same language users write (``fa4gen.expr``),
+so every variant has one CuTe rendering (in the emitted kernel) and one PyTorch rendering (the
+test reference). The run-time arguments a variant needs beyond q, k, v (sink logits, prefix
+lengths, cumulative sequence lengths, ALiBi slopes, bias tables, declared aux tensors and
+scalars) are listed once, in the order the compiled kernel takes them: the compiler builds its
+fake arguments from this list, the emitted module unpacks it, and the callable fills it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+from fa4gen.expr import AuxTensor, Expression, parse
+
+if TYPE_CHECKING:
+    from fa4gen.spec import AttentionSpec
+
+Dim = Union[int, str]  # an integer, a size name (B, Hq, Hkv, Sq, Sk) or "docs+1"
+
+
+@dataclass(frozen=True)
+class Extra:
+    """One run-time argument of the kernel after num_ctas."""
+
+    name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
+    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "rel_bias", "aux", "scalar"]
+    dtype: Literal["float32", "int32"]
+    shape: tuple[Dim, ...] = ()  # () for a scalar
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.role != "scalar"
+
+
+@dataclass(frozen=True)
+class Lowered:
+    score: Expression | None  # the score modifier (applied to the scaled score, before softcap)
+    mask: Expression | None  # an expression mask (ANDed with the structural masks)
+    extras: tuple[Extra, ...]
+
+    def index(self, role: str) -> int | None:
+        """Position of the first extra with ``role`` (None if the variant has none)."""
+        return next((i for i, extra in enumerate(self.extras) if extra.role == role), None)
+
+
+_KIND = {"float32": "float", "int32": "int"}
+
+
+def alibi_expression() -> str:
+    # positions aligned bottom-right, as the causal mask: query i sits at key i + Sk - Sq
+    return "score - alibi_slopes[h] * abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)"
+
+
+def relative_bias_expression(max_distance: int) -> str:
+    d = max_distance
+    return f"score + rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -{d}), {d}) + {d}]"
+
+
+def _builtin_score(spec: AttentionSpec) -> tuple[str | None, list[Extra]]:
+    mod = spec.score_mod
+    if mod is None:
+        return None, []
+    if mod.kind == "alibi":
+        return alibi_expression(), [Extra("alibi_slopes", "alibi_slopes", "float32", ("Hq",))]
+    if mod.kind == "relative_bias":
+        width = 2 * mod.max_distance + 1
+        return relative_bias_expression(mod.max_distance), [Extra("rel_bias", "rel_bias", "float32", ("Hq", width))]
+    return mod.expr, []
+
+
+def lower(spec: AttentionSpec) -> Lowered:
+    """Parse the spec's expressions against its declarations; raise ValueError naming the field."""
+    extras: list[Extra] = []
+    if spec.sinks:
+        extras.append(Extra("sinks", "sinks", "float32", ("Hq",)))
+    if spec.mask_kind == "prefix_lm":
+        extras.append(Extra("prefix_lengths", "prefix_lengths", "int32", ("B",)))
+    if spec.mask_kind == "document":
+        extras += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
+                   Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",))]
+    score_text, builtin = _builtin_score(spec)
+    extras += builtin
+    # sorted by name: the canonical spec (and so the cache key) does not keep declaration order
+    extras += [Extra(name, "aux", aux.dtype, tuple(aux.shape)) for name, aux in sorted(spec.aux.items())]
+    extras += [Extra(name, "scalar", dtype) for name, dtype in sorted(spec.scalars.items())]
+    tensors = {e.name: AuxTensor(_KIND[e.dtype], len(e.shape)) for e in extras
+               if e.role in ("aux", "alibi_slopes", "rel_bias")}
+    scalars = {e.name: _KIND[e.dtype] for e in extras if e.role == "scalar"}
+    score = mask = None
+    if score_text is not None:
+        score = _parse_field("score_mod", score_text, tensors, scalars, score=True, result="number")
+    if spec.mask_kind == "expression":
+        mask = _parse_field("mask", spec.mask.expr, tensors, scalars, score=False, result="condition")
+    return Lowered(score=score, mask=mask, extras=tuple(extras))
+
+
+def _parse_field(field: str, text: str, tensors, scalars, **kwargs) -> Expression:
+    from fa4gen.expr import ExpressionError
+
+    try:
+        return parse(text, scalars=scalars, aux=tensors, **kwargs)
+    except ExpressionError as exc:
+        raise ValueError(f"{field}.expr: {exc}") from None
+
+
+def standard_alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's slopes: a geometric sequence from 2^(-8/n) for n a power of two; other
+    head counts take the power of two below and every other slope of the one above."""
+    if num_heads < 1:
+        raise ValueError(f"ALiBi needs at least one head, got {num_heads}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    below = 1 << (num_heads.bit_length() - 1)
+    if below == num_heads:
+        return power_of_two(num_heads)
+    return power_of_two(below) + power_of_two(2 * below)[0::2][: num_heads - below]
