@@ -18,6 +18,7 @@ from typing import Any
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.planner import Plan
 from fa4gen.spec import AttentionSpec
+from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
 
 RUNTIME_LIB_ENV = "FA4GEN_CUTE_RUNTIME_LIB"  # explicit path to libcute_dsl_runtime.so
@@ -85,18 +86,21 @@ class AttentionKernel:
         self.key = key
         self.path = path
         self._function = function
+        self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
 
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
 
     def __call__(self, q, k, v, *, out=None, lse=None, sinks=None, alibi_slopes=None, rel_bias=None,
                  prefix_lengths=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                 aux=None):
+                 aux=None, block_mask=None):
         """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs; the
         other keywords are the variant's run-time values (see ``AttentionSpec``): each is
         required exactly when the spec uses it. With a document mask q, k, v are packed
         (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_*``
-        are accepted for API compatibility; tiles cover the packed tokens)."""
+        are accepted for API compatibility; tiles cover the packed tokens). An expression mask runs
+        with a block mask: ``block_mask`` from ``self.block_mask(...)``, else one built on the
+        GPU and cached per shape, scalar values and aux tensors."""
         import torch
 
         if lse is not None and not self.spec.return_lse:
@@ -107,9 +111,10 @@ class AttentionKernel:
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
         o_shape = (batch, seqlen_q, heads_q, self.spec.dv)
         lse_shape = (batch, heads_q, seqlen_q)
-        if varlen:  # outputs keep the packed layout the caller uses
+        given_out, given_lse = out, lse
+        if varlen:  # outputs keep the packed layout the caller uses; the kernel sees batch 1
             out = None if out is None else _packed_as_batch("out", out, check=False)
-            lse = None if lse is None else lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
+            lse = lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
         if out is None:
             out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
         else:
@@ -121,13 +126,60 @@ class AttentionKernel:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
         given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
                  "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        if block_mask is not None and lower(self.spec).mask is None:
+            raise ValueError("block_mask= was given, but the spec has no expression mask")
+        if lower(self.spec).mask is not None:
+            if block_mask is None:
+                block_mask = self._cached_block_mask(q, k, aux)
+            check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
+            given.update(block_count=block_mask.count, block_index=block_mask.index, block_full=block_mask.full)
         extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k))
         if out.numel() > 0:
             self._function(q, k, v, out, lse, multiprocessor_count(q.device), *extras)
         if varlen:
-            out = out.squeeze(0)
-            lse = None if lse is None else lse.squeeze(0)
+            out = out.squeeze(0) if given_out is None else given_out
+            lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
+
+
+    def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, aux=None, device="cuda"):
+        """Build the block mask of this kernel's expression mask for one shape (on the GPU), to
+        pass as ``block_mask=`` to every call (and layer) with that shape and aux values."""
+        validate_aux_for_mask(self.spec, aux)
+        return build_block_mask(self.spec, self.plan, batch, heads, seqlen_q, seqlen_k, {"aux": dict(aux or {})},
+                                device)
+
+    def _cached_block_mask(self, q, k, aux):
+        """A block mask for this call, reused while the shape, the scalars and the aux tensors the
+        mask reads (same tensor, unmodified: torch's version counter) stay the same."""
+        uses = lower(self.spec).mask.uses
+        values = {name: value for name, value in (aux or {}).items() if name in uses}
+        key = (q.shape[0], q.shape[2], q.shape[1], k.shape[1], str(q.device),
+               tuple(sorted((n, _identity(v)) for n, v in values.items())))
+        cache = self._block_masks
+        if key not in cache:
+            if len(cache) >= BLOCK_MASK_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            cache[key] = self.block_mask(q.shape[0], q.shape[2], q.shape[1], k.shape[1], aux=aux, device=q.device)
+        return cache[key]
+
+
+BLOCK_MASK_CACHE_SIZE = 16
+
+
+def _identity(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), value._version, tuple(value.shape), str(value.dtype))
+    return ("value", value)
+
+
+def validate_aux_for_mask(spec: AttentionSpec, aux) -> None:
+    """Every scalar and aux tensor the expression mask reads must be given."""
+    missing = sorted(n for n in lower(spec).mask.uses if n in {**spec.aux, **spec.scalars} and n not in (aux or {}))
+    if missing:
+        raise ValueError(f"the expression mask reads {', '.join(missing)}: pass them in aux={{...}}")
 
 
 @lru_cache(maxsize=None)
@@ -288,6 +340,9 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     cu_q = given.get("cu_seqlens_q")
     docs = cu_q.shape[0] if getattr(cu_q, "ndim", 0) == 1 else 0
     sizes = {"B": q.shape[0], "Hq": q.shape[2], "Hkv": k.shape[2], "Sq": q.shape[1], "Sk": k.shape[1], "docs+1": docs}
+    index = given.get("block_index")
+    if index is not None:  # checked against the plan by check_block_mask; here only named
+        sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))
     values = []
     for extra in extras:
         if extra.role == "scalar":

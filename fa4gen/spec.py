@@ -374,6 +374,9 @@ class AttentionSpec(BaseModel):
     def has_mask(self) -> bool:
         return self.right_bound is not None or self.left_bound is not None or self.mask is not None
 
+    def __hash__(self) -> int:  # aux/scalars are dicts: hash the canonical form instead
+        return hash(self.canonical_json())
+
     def canonical(self) -> dict[str, Any]:
         """Defaults resolved, so two specs that compute the same thing compare equal."""
         data = self.model_dump()

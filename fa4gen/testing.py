@@ -10,25 +10,102 @@ from __future__ import annotations
 
 import math
 
+from fa4gen.expr import evaluate_torch
 from fa4gen.spec import AttentionSpec
+from fa4gen.variants import lower, standard_alibi_slopes
 
 
-def visible_keys(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None):
-    """Boolean (Sq, Sk): which keys each query sees (bottom-right aligned)."""
+def visible_keys(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None, args=None):
+    """Boolean (B or 1, 1, Sq, Sk): which keys each query sees (bottom-right aligned), written
+    independently of the kernel's row intervals: per (query, key) pair, from positions and
+    document ids. ``args`` holds the run-time values (prefix_lengths, cu_seqlens_q/k)."""
     import torch
 
-    rows = torch.arange(seqlen_q, device=device).view(-1, 1) + (seqlen_k - seqlen_q)
-    cols = torch.arange(seqlen_k, device=device).view(1, -1)
-    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    args = args or {}
+    q_pos = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    k_pos = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    mask = torch.ones(1, 1, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if spec.mask_kind == "document":
+        cu_q, cu_k = args["cu_seqlens_q"].long(), args["cu_seqlens_k"].long()
+        doc_q = torch.searchsorted(cu_q, q_pos, right=True) - 1
+        doc_k = torch.searchsorted(cu_k, k_pos, right=True) - 1
+        mask &= doc_q == doc_k
+        # align each document bottom-right: query i of a document ends where its keys end
+        q_pos = q_pos - cu_q[doc_q] + (cu_k[doc_q + 1] - cu_k[doc_q]) - (cu_q[doc_q + 1] - cu_q[doc_q])
+        k_pos = k_pos - cu_k[doc_k]
+    else:
+        q_pos = q_pos + (seqlen_k - seqlen_q)
     if spec.right_bound is not None:
-        mask &= cols <= rows + spec.right_bound
+        mask &= k_pos <= q_pos + spec.right_bound
     if spec.left_bound is not None:
-        mask &= cols >= rows - spec.left_bound
+        mask &= k_pos >= q_pos - spec.left_bound
+    if spec.mask_kind == "chunked":
+        mask &= (k_pos // spec.mask.size) == (q_pos.clamp(min=0) // spec.mask.size)
+    if spec.mask_kind == "prefix_lm":
+        prefix = args["prefix_lengths"].long().view(-1, 1, 1, 1)
+        mask = mask & ((k_pos <= q_pos) | (k_pos < prefix))
     return mask
 
 
-def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True):
-    """(o, lse): o (B, Sq, Hq, Dv) in q's dtype or float32 (upcast), lse (B, Hq, Sq) float32."""
+def visible_mask(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None, args=None, env=None,
+                 batch: int = 1, heads: int = 1):
+    """visible_keys AND the spec's expression mask (evaluated with torch), broadcastable to
+    (batch, heads, Sq, Sk)."""
+    mask = visible_keys(spec, seqlen_q, seqlen_k, device=device, args=args)
+    lowered = lower(spec)
+    if lowered.mask is not None:
+        if env is None:
+            env = _expression_env(spec, None, (batch, heads, seqlen_q, seqlen_k), device, args or {})
+        mask = mask & evaluate_torch(lowered.mask, env).bool()
+    return mask
+
+
+def _expression_env(spec: AttentionSpec, scores, shape, device, args):
+    """The expression language's variables as broadcastable tensors over (B, H, Sq, Sk)."""
+    import torch
+
+    batch, heads, seqlen_q, seqlen_k = shape
+    env = {"score": scores,
+           "b": torch.arange(batch, device=device).view(-1, 1, 1, 1),
+           "h": torch.arange(heads, device=device).view(1, -1, 1, 1),
+           "q_idx": torch.arange(seqlen_q, device=device).view(1, 1, -1, 1),
+           "kv_idx": torch.arange(seqlen_k, device=device).view(1, 1, 1, -1),
+           "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    env.update({name: value for name, value in args.items() if name != "aux"})
+    env.update(args.get("aux", {}))
+    if spec.score_mod is not None and spec.score_mod.kind == "alibi" and args.get("alibi_slopes") is None:
+        env["alibi_slopes"] = torch.tensor(standard_alibi_slopes(heads), device=device)
+    return env
+
+
+def _handwritten_score_mod(spec: AttentionSpec, scores, env):
+    """ALiBi and relative bias written out directly (not through the expression language)."""
+    mod = spec.score_mod
+    distance = env["kv_idx"] - env["q_idx"] - (env["seqlen_k"] - env["seqlen_q"])
+    if mod.kind == "alibi":
+        return scores - env["alibi_slopes"].view(1, -1, 1, 1) * distance.abs()
+    if mod.kind == "relative_bias":
+        bucket = distance.clamp(-mod.max_distance, mod.max_distance) + mod.max_distance
+        return scores + env["rel_bias"][:, bucket.view(-1)].view(1, -1, *distance.shape[2:])
+    raise ValueError(f"no hand-written reference for score_mod kind {mod.kind!r}")
+
+
+def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True, args=None, independent: bool = False):
+    """(o, lse): o (B, Sq, Hq, Dv) in q's dtype or float32 (upcast), lse (B, Hq, Sq) float32.
+
+    ``args`` holds the variant's run-time values by keyword (sinks, alibi_slopes, rel_bias,
+    prefix_lengths, cu_seqlens_q/k, aux={...}). Score modifiers and expression masks come from
+    the expression language's PyTorch rendering; with ``independent`` the built-in modifiers
+    (ALiBi, relative bias) use hand-written formulas instead. With a document mask q, k, v (and
+    the results) are packed (total, H, D)."""
+    args = dict(args or {})
+    if spec.is_varlen:
+        out, lse = _reference(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), upcast, args, independent, spec)
+        return out.squeeze(0), lse.squeeze(0)
+    return _reference(spec, q, k, v, upcast, args, independent, spec)
+
+
+def _reference(spec, q, k, v, upcast, args, independent, mask_spec):
     import torch
 
     dtype = torch.float32 if upcast else q.dtype
@@ -36,25 +113,47 @@ def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True):
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(spec.qhead_per_kvhead, dim=1)
     vh = v.to(dtype).transpose(1, 2).repeat_interleave(spec.qhead_per_kvhead, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * spec.scale
+    lowered = lower(spec)
+    env = _expression_env(spec, scores, tuple(scores.shape), scores.device, args)
+    if lowered.score is not None:
+        builtin = spec.score_mod.kind in ("alibi", "relative_bias")
+        modified = _handwritten_score_mod(spec, scores, env) if independent and builtin else \
+            evaluate_torch(lowered.score, env)
+        scores = modified.to(scores.dtype) if not upcast else modified.float()
     if spec.softcap is not None:
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
-    mask = visible_keys(spec, q.shape[1], k.shape[1], device=q.device)
+    mask = visible_mask(mask_spec, q.shape[1], k.shape[1], device=q.device, args=args, env=env)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if spec.sinks:
+        sink = args["sinks"].to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores.float(), dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    if spec.sinks:
+        probs = probs[..., :-1]  # the sink takes probability but carries no value
     out = torch.matmul(probs, vh).transpose(1, 2)
     return out.contiguous(), lse
 
 
-def error_bound(spec: AttentionSpec, q, k, v, out_ref, *, factor: float = 2.0, floor: float = 1e-5) -> float:
+def error_bound(spec: AttentionSpec, q, k, v, out_ref, *, factor: float = 2.0, floor: float = 1e-5, args=None) -> float:
     """factor x the max error of PyTorch's own computation in the inputs' dtype."""
-    low, _ = reference(spec, q, k, v, upcast=False)
+    low, _ = reference(spec, q, k, v, upcast=False, args=args)
     return factor * (low.float() - out_ref).abs().max().item() + floor
 
 
-def attention_flops(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, heads: int) -> float:
-    """Useful forward FLOPs: 2*d (Q.K^T) + 2*dv (P.V) per visible (query, key) pair."""
-    visible = _visible_pairs(spec, seqlen_q, seqlen_k)
+def attention_flops(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, heads: int, args=None) -> float:
+    """Useful forward FLOPs: 2*d (Q.K^T) + 2*dv (P.V) per visible (query, key) pair; masks with
+    run-time parts count their visible pairs from ``args``."""
+    if spec.mask_kind is not None:  # count the mask itself
+        import torch
+
+        values = [*(args or {}).values(), *(args or {}).get("aux", {}).values()]
+        device = next((t.device for t in values if isinstance(t, torch.Tensor)), None)
+        mask = visible_mask(spec, seqlen_q, seqlen_k, device=device, args=args, batch=batch, heads=heads)
+        # per batch entry and head (prefix-LM and expression masks may differ between them)
+        visible = mask.sum().item() / (mask.shape[0] * mask.shape[1])
+    else:
+        visible = _visible_pairs(spec, seqlen_q, seqlen_k)
     return 2.0 * batch * heads * visible * (spec.head_dim + spec.dv)
 
 
@@ -68,12 +167,13 @@ def _visible_pairs(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> int:
     return total
 
 
-def assert_close_to_reference(spec: AttentionSpec, q, k, v, out, lse=None) -> dict:
+def assert_close_to_reference(spec: AttentionSpec, q, k, v, out, lse=None, *, args=None,
+                              independent: bool = False) -> dict:
     """Raise AssertionError with the errors if ``out`` (and ``lse``) miss the bound; return them."""
     import torch
 
-    out_ref, lse_ref = reference(spec, q, k, v)
-    bound = error_bound(spec, q, k, v, out_ref)
+    out_ref, lse_ref = reference(spec, q, k, v, args=args, independent=independent)
+    bound = error_bound(spec, q, k, v, out_ref, args=args)
     assert not torch.isnan(out).any(), "output has NaN (poisoned entries were not overwritten?)"
     err = (out.float() - out_ref).abs().max().item()
     report = {"out_err": err, "out_bound": bound}
@@ -83,7 +183,7 @@ def assert_close_to_reference(spec: AttentionSpec, q, k, v, out, lse=None) -> di
         finite = torch.isfinite(lse_ref)
         assert torch.equal(torch.isfinite(lse), finite), "lse is -inf exactly where no key is visible"
         lse_err = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
-        lse_bound = 1e-3 * max(1.0, math.log(max(k.shape[1], 2)))
+        lse_bound = 1e-3 * max(1.0, math.log(max(k.shape[-3], 2)))
         report.update(lse_err=lse_err, lse_bound=lse_bound)
         assert lse_err <= lse_bound, f"lse error {lse_err:.3e} exceeds {lse_bound:.3e}"
     return report

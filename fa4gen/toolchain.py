@@ -52,7 +52,7 @@ def package_root() -> Path:
 # Everything else in the package (spec, planner, emitter, compiler, kernels/, and any module
 # added later) is part of the fingerprint, so the default is to invalidate.
 HOST_ONLY_MODULES = frozenset({"__init__.py", "cli.py", "cache.py", "runtime.py", "api.py", "testing.py", "bench.py",
-                               "tuning.py"})
+                               "tuning.py", "blockmask.py"})
 
 
 @lru_cache(maxsize=1)

@@ -18,7 +18,7 @@ from fa4gen.expr import AuxTensor, Expression, parse
 if TYPE_CHECKING:
     from fa4gen.spec import AttentionSpec
 
-Dim = Union[int, str]  # an integer, a size name (B, Hq, Hkv, Sq, Sk) or "docs+1"
+Dim = Union[int, str]  # an integer, a size name (B, Hq, Hkv, Sq, Sk), "docs+1", or a block-mask size
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Extra:
     """One run-time argument of the kernel after num_ctas."""
 
     name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
-    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "rel_bias", "aux", "scalar"]
+    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "block_count", "block_index",
+                  "block_full", "alibi_slopes", "rel_bias", "aux", "scalar"]
     dtype: Literal["float32", "int32"]
     shape: tuple[Dim, ...] = ()  # () for a scalar
 
@@ -81,6 +82,10 @@ def lower(spec: AttentionSpec) -> Lowered:
     if spec.mask_kind == "document":
         extras += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
                    Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",))]
+    if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
+        extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
+                   Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),
+                   Extra("block_full", "block_full", "int32", ("mask_B", "mask_H", "M", "N"))]
     score_text, builtin = _builtin_score(spec)
     extras += builtin
     # sorted by name: the canonical spec (and so the cache key) does not keep declaration order

@@ -32,6 +32,71 @@ def gpu_specs() -> dict[str, AttentionSpec]:
     return cases
 
 
+def variant_specs() -> dict[str, AttentionSpec]:
+    """Variants beyond specs/ that the GPU tests need: boundaries the model configs never reach
+    at test sizes (small chunks), combinations, and masks that leave rows without any key."""
+    return {
+        "chunked-256+lse": AttentionSpec(head_dim=64, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256},
+                                         return_lse=True),
+        "documents-bidirectional-sinks+lse": AttentionSpec(head_dim=128, mask="document", sinks=True, return_lse=True),
+        "window-relbias-softcap+lse": AttentionSpec(
+            head_dim=128, causal=True, window_left=300, softcap=20.0, return_lse=True,
+            score_mod={"kind": "relative_bias", "max_distance": 64}),
+        "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
+                                        return_lse=True),
+        "empty-rows-sinks+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
+                                              sinks=True, return_lse=True),
+    }
+
+
+def variant_inputs(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int, seed: int, kv_heads: int = 2):
+    """Random q, k, v and the variant's run-time arguments for one shape. Document masks pack
+    ``batch`` documents of random lengths (1..seqlen_q queries, 1..seqlen_k keys) into
+    (total, H, D) tensors."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cpu = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    heads_q = kv_heads * spec.qhead_per_kvhead
+
+    def randn(*shape, scale=1.0, kind=torch.float32):
+        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(kind)
+
+    args: dict = {}
+    if spec.mask_kind == "document":
+        lens_q = torch.randint(1, seqlen_q + 1, (batch,), generator=cpu)
+        lens_k = torch.randint(1, seqlen_k + 1, (batch,), generator=cpu)
+        zero = torch.zeros(1, dtype=torch.int64)
+        args["cu_seqlens_q"] = torch.cat([zero, lens_q.cumsum(0)]).to(torch.int32).cuda()
+        args["cu_seqlens_k"] = torch.cat([zero, lens_k.cumsum(0)]).to(torch.int32).cuda()
+        q_shape, k_shape = (int(lens_q.sum()), heads_q), (int(lens_k.sum()), kv_heads)
+    else:
+        q_shape, k_shape = (batch, seqlen_q, heads_q), (batch, seqlen_k, kv_heads)
+    q, k = randn(*q_shape, spec.head_dim, kind=dtype), randn(*k_shape, spec.head_dim, kind=dtype)
+    v = randn(*k_shape, spec.dv, kind=dtype)
+    if spec.sinks:
+        args["sinks"] = randn(heads_q, scale=2.0)
+    if spec.mask_kind == "prefix_lm":
+        args["prefix_lengths"] = torch.randint(0, seqlen_k + 1, (batch,), generator=cpu).to(torch.int32).cuda()
+    if spec.score_mod is not None and spec.score_mod.kind == "alibi" and spec.score_mod.slopes == "tensor":
+        args["alibi_slopes"] = randn(heads_q).abs() * 0.1
+    if spec.score_mod is not None and spec.score_mod.kind == "relative_bias":
+        args["rel_bias"] = randn(heads_q, 2 * spec.score_mod.max_distance + 1)
+    sizes = {"B": batch, "Hq": heads_q, "Hkv": kv_heads, "Sq": seqlen_q, "Sk": seqlen_k}
+    aux = {}
+    for name, decl in spec.aux.items():
+        shape = [d if isinstance(d, int) else sizes[d] for d in decl.shape]
+        aux[name] = randn(*shape).abs() + 0.5 if decl.dtype == "float32" else \
+            torch.randint(0, 8, shape, generator=cpu).to(torch.int32).cuda()
+    for name, dtype_name in spec.scalars.items():
+        aux[name] = int(torch.randint(1, max(2, seqlen_k // 2), (1,), generator=cpu)) if dtype_name == "int32" \
+            else float(torch.rand(1, generator=cpu)) * 0.5
+    if aux:
+        args["aux"] = aux
+    return q, k, v, args
+
+
 def example_specs() -> dict[str, AttentionSpec]:
     """What examples/quickstart.py compiles on a GPU."""
     spec = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, dtype="bfloat16")

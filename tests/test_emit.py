@@ -19,6 +19,8 @@ import pytest
 import fa4gen
 from fa4gen.emitter import LOG2E, emit
 from fa4gen.planner import plan
+from fa4gen.expr import render_cute
+from fa4gen.variants import lower
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -141,20 +143,28 @@ def test_emitted_source_structure(spec):
     assert all(line == line.rstrip() for line in source.splitlines()), "trailing whitespace"
 
     lines = source.splitlines()
-    header = lines[: lines.index("import cutlass")]
+    header = lines[: lines.index("import cuda.bindings.driver as cuda")]
     assert all(line.startswith("#") for line in header)
     for yaml_line in dump_spec(spec.canonicalized()).splitlines():
         assert f"#   {yaml_line}".rstrip() in header, f"spec line {yaml_line!r} not in header"
     assert f"# plan ({kernel_plan.arch}):" in header
 
     assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
+    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "entry"]
     imports = {(n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("fa4gen.kernels.sm90_fwd", kernel_plan.kernel) in imports
     assert emitted.template == "sm90_fwd.py.jinja"
 
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     constants = _module_constants(tree)
-    if spec.softcap is not None:
+    lowered = lower(spec)
+    if lowered.score is not None:  # the expression (built-in or the user's), scaled first
+        assert "score_mod" in functions and constants["SCORE_MOD"] == "score_mod"
+        assert constants["SOFTMAX_SCALE"] == spec.scale
+        assert render_cute(lowered.score, {e.name: f"args.{e.name}" for e in lowered.extras}) in source
+        assert constants["SCALE_LOG2"] == LOG2E
+        assert ("SOFTCAP" in constants) == (spec.softcap is not None)
+    elif spec.softcap is not None:
         assert "score_mod" in functions
         assert constants["SCORE_MOD"] == "score_mod"
         assert constants["SOFTCAP"] == spec.softcap
@@ -190,6 +200,12 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "window_left": spec.left_bound,
         "window_right": spec.right_bound,
         "score_mod": "SCORE_MOD",
+        "mask_mod": "MASK_MOD",
+        "chunk": spec.mask.size if spec.mask_kind == "chunked" else None,
+        "prefix_lm": spec.mask_kind == "prefix_lm",
+        "document": spec.mask_kind == "document",
+        "sinks": spec.sinks,
+        "extra_names": "EXTRAS",
         "return_lse": spec.return_lse,
         "intra_warpgroup_overlap": kernel_plan.intra_warpgroup_overlap,
         "pingpong": kernel_plan.pingpong,
@@ -257,13 +273,17 @@ def _stub_import(kernels: dict[str, object]):
     cute = types.SimpleNamespace(
         jit=lambda fn: fn,
         math=types.SimpleNamespace(tanh=lambda x, fastmath=False: math.tanh(x)),
+        Tensor=object,
     )
-    cutlass = types.SimpleNamespace(cute=cute, Float32=_FakeFloat32)
+    cutlass = types.SimpleNamespace(cute=cute, Float32=_FakeFloat32, Int32=int)
+    cuda = types.SimpleNamespace(bindings=types.SimpleNamespace(driver=types.SimpleNamespace(CUstream=object)))
     kernel_module = types.SimpleNamespace(**kernels)
 
     def fake_import(name, globals=None, locals=None, fromlist=(), level=0):
         if name in ("cutlass", "cutlass.cute"):
             return cutlass
+        if name == "cuda.bindings.driver":
+            return cuda
         if name == "fa4gen.kernels.sm90_fwd" and fromlist:
             return kernel_module
         raise ImportError(f"emitted module imports {name!r}")
@@ -287,7 +307,9 @@ def test_emitted_module_runs_with_stubs(spec):
     assert isinstance(kernel, FakeKernel)
     assert captured["tile_n"] == kernel_plan.tile_n
     assert captured["window_left"] == spec.left_bound and captured["window_right"] == spec.right_bound
-    if spec.softcap is None:
+    if spec.score_mod is not None:  # expressions: checked by cross-compiling and on the GPU
+        assert captured["score_mod"] is not None and captured["scale_log2"] == LOG2E
+    elif spec.softcap is None:
         assert captured["score_mod"] is None
         assert captured["scale_log2"] == spec.scale * LOG2E
     else:
@@ -295,8 +317,8 @@ def test_emitted_module_runs_with_stubs(spec):
         assert captured["scale_log2"] == LOG2E
         for s in (-1000.0, -3.0, 0.0, 0.5, 7.0, 1e6):
             want = spec.softcap * math.tanh(s * spec.scale / spec.softcap)
-            assert score_mod(s) == pytest.approx(want, rel=1e-12, abs=1e-12)
-        assert abs(score_mod(1e9)) <= spec.softcap
+            assert score_mod(s, 0, 0, 0, 0, 1, 1, None) == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert abs(score_mod(1e9, 0, 0, 0, 0, 1, 1, None)) <= spec.softcap
 
 
 @pytest.mark.parametrize("spec_path", SPEC_FILES, ids=SPEC_IDS)

@@ -12,11 +12,11 @@ import pytest
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import SHAPES, gpu_specs, plan_option_cases
+from gpu_cases import SHAPES, gpu_specs, plan_option_cases, variant_inputs, variant_specs
 
 pytestmark = pytest.mark.gpu
 
-CASES = gpu_specs()
+CASES = {**gpu_specs(), **variant_specs()}
 KV_HEADS = 2
 
 
@@ -36,26 +36,70 @@ def _inputs(spec: fa4gen.AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int
     return q, k, v
 
 
+def _run_poisoned(spec, attn, q, k, v, args):
+    """Launch into NaN-filled outputs; return (out, lse)."""
+    import torch
+
+    o_shape = (*q.shape[:-1], spec.dv)
+    out = torch.full(o_shape, float("nan"), device="cuda", dtype=q.dtype)
+    lse = None
+    if spec.return_lse:
+        lse_shape = (q.shape[1], q.shape[0]) if spec.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
+        result = attn(q, k, v, out=out, lse=lse, **args)
+        assert result[0] is out and result[1] is lse
+    else:
+        assert attn(q, k, v, out=out, **args) is out
+    torch.cuda.synchronize()
+    return out, lse
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name, shape):
+    """Every spec in specs/ (and the variant cases): the expression-rendered reference and, for
+    built-in score modifiers, the hand-written one."""
+    spec = CASES[name]
+    attn = fa4gen.compile(spec)
+    q, k, v, args = variant_inputs(spec, *shape, seed=hash((name, shape)) % 2**31, kv_heads=KV_HEADS)
+    out, lse = _run_poisoned(spec, attn, q, k, v, args)
+    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
+    if spec.score_mod is not None and spec.score_mod.kind in ("alibi", "relative_bias"):
+        assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
+
+
+@pytest.mark.parametrize("name", ["empty-rows+lse", "empty-rows-sinks+lse"])
+def test_rows_without_keys_give_zero_and_minus_infinity(name):
+    """Rows that see no key: O = 0 exactly and LSE = -inf (or the sink logit), never NaN."""
     import torch
 
     spec = CASES[name]
+    q, k, v, args = variant_inputs(spec, 2, 300, 300, seed=5, kv_heads=KV_HEADS)
+    out, lse = _run_poisoned(spec, fa4gen.compile(spec), q, k, v, args)
+    empty = slice(0, 40)  # kv_idx + 40 <= q_idx: queries 0..39 see nothing
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    want = torch.full_like(lse[:, :, empty], float("-inf"))
+    if spec.sinks:
+        want = args["sinks"].view(1, -1, 1).expand_as(want)
+    assert torch.equal(lse[:, :, empty], want)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+def test_variant_arguments_are_checked_before_launch():
+    import torch
+
+    spec = CASES["alibi-slopes-gqa"]
     attn = fa4gen.compile(spec)
-    q, k, v = _inputs(spec, *shape, seed=hash((name, shape)) % 2**31)
-    batch, seqlen_q, _ = shape
-    heads_q = q.shape[2]
-    out = torch.full((batch, seqlen_q, heads_q, spec.dv), float("nan"), device="cuda", dtype=q.dtype)
-    lse = None
-    if spec.return_lse:
-        lse = torch.full((batch, heads_q, seqlen_q), float("nan"), device="cuda", dtype=torch.float32)
-        result = attn(q, k, v, out=out, lse=lse)
-        assert result[0] is out and result[1] is lse
-    else:
-        assert attn(q, k, v, out=out) is out
+    q, k, v, args = variant_inputs(spec, 1, 64, 64, seed=2, kv_heads=KV_HEADS)
+    with pytest.raises(ValueError, match="alibi_slopes= is missing"):
+        attn(q, k, v)
+    with pytest.raises(ValueError, match="alibi_slopes must be a torch.float32 tensor of shape"):
+        attn(q, k, v, alibi_slopes=args["alibi_slopes"][:-1])
+    with pytest.raises(ValueError, match="sinks= was given"):
+        attn(q, k, v, sinks=args["alibi_slopes"], **args)
+    with pytest.raises(ValueError, match="aux has"):
+        attn(q, k, v, aux={"x": 1.0}, **args)
     torch.cuda.synchronize()
-    assert_close_to_reference(spec, q, k, v, out, lse)
 
 
 def test_allocates_outputs_and_runs_on_current_stream():
@@ -119,3 +163,29 @@ def test_plan_option_paths(name, shape):
     attn(q, k, v, out=out, lse=lse)
     torch.cuda.synchronize()
     assert_close_to_reference(spec, q, k, v, out, lse)
+
+
+def test_block_mask_is_cached_reusable_and_follows_aux_values():
+    """An expression mask's block mask is built once per shape and aux values, can be built
+    explicitly and shared, and new scalar values give new masks without recompiling."""
+    import torch
+
+    spec = CASES["streaming-llm"]
+    attn = fa4gen.compile(spec)
+    q, k, v, args = variant_inputs(spec, 2, 1000, 1000, seed=9, kv_heads=KV_HEADS)
+    for window in (100, 700):
+        args["aux"] = {"sink_tokens": 3, "window": window}
+        out, _ = _run_poisoned(spec, attn, q, k, v, args)
+        assert_close_to_reference(spec, q, k, v, out, args=args)
+    assert len(attn._block_masks) == 2
+    attn(q, k, v, **args)
+    assert len(attn._block_masks) == 2  # same shape and values: reused
+    shared = attn.block_mask(2, q.shape[2], 1000, 1000, aux=args["aux"])
+    assert 0.0 < shared.sparsity() < 1.0
+    out = attn(q, k, v, block_mask=shared, **args)
+    torch.cuda.synchronize()
+    assert_close_to_reference(spec, q, k, v, out, args=args)
+    with pytest.raises(ValueError, match="built for Sq=1000"):
+        attn(q[:, :500], k, v, block_mask=shared, **args)
+    with pytest.raises(ValueError, match="reads sink_tokens, window"):
+        attn.block_mask(2, q.shape[2], 1000, 1000)

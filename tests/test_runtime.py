@@ -66,3 +66,71 @@ def test_lse_argument_needs_return_lse(kernel):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="without return_lse"):
         kernel(q, k, v, lse=torch.empty(1))
+
+
+# --------------------------------------------------------------------------- variant arguments
+from fa4gen.runtime import variant_arguments  # noqa: E402
+from fa4gen.variants import standard_alibi_slopes  # noqa: E402
+
+
+def _qk(batch=2, sq=16, sk=24, hq=4, hkv=2, d=64):
+    return torch.randn(batch, sq, hq, d), torch.randn(batch, sk, hkv, d)
+
+
+def _none(**given):
+    base = dict.fromkeys(("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k"))
+    return {**base, **given}
+
+
+def test_extras_come_in_kernel_order_with_scalars_converted():
+    spec = fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=2, sinks=True, score_mod="alibi",
+                                scalars={"w": "int32", "s": "float32"}, aux={"t": {"dtype": "float32", "shape": ["Hq", 3]}})
+    q, k = _qk()
+    sinks, t = torch.randn(4), torch.randn(4, 3)
+    values = variant_arguments(spec, q, k, _none(sinks=sinks), {"t": t, "w": 3, "s": 2})
+    assert values[0] is sinks
+    assert values[1].tolist() == pytest.approx(standard_alibi_slopes(4))  # standard slopes built for Hq
+    assert values[2] is t and values[3] == 2.0 and values[4] == 3
+    assert isinstance(values[3], float) and isinstance(values[4], int)
+
+
+@pytest.mark.parametrize(
+    "spec_fields, given, aux, message",
+    [
+        ({"sinks": True}, {}, None, "sinks= is missing"),
+        ({"sinks": True}, {"sinks": torch.randn(3)}, None, r"sinks must be a torch.float32 tensor of shape \(4,\)"),
+        ({"sinks": True}, {"sinks": torch.randn(4).double()}, None, "torch.float32"),
+        ({}, {"sinks": torch.randn(4)}, None, "sinks= was given, but the spec"),
+        ({"mask": "prefix_lm"}, {"prefix_lengths": torch.ones(2)}, None, "prefix_lengths must be a torch.int32"),
+        ({"score_mod": {"kind": "alibi", "slopes": "tensor"}}, {}, None, "alibi_slopes= is missing"),
+        ({"score_mod": {"kind": "relative_bias", "max_distance": 8}}, {"rel_bias": torch.randn(4, 16)}, None,
+         r"rel_bias must be a torch.float32 tensor of shape \(4, 17\)"),
+        ({"scalars": {"w": "int32"}}, {}, {}, "aux\\['w'\\] is missing"),
+        ({"scalars": {"w": "int32"}}, {}, {"w": 1.5}, "scalar w is int32"),
+        ({"scalars": {"w": "int32"}}, {}, {"w": True}, "scalar w must be a number"),
+        ({"scalars": {"w": "int32"}}, {}, {"w": 2**40}, "scalar w is int32"),
+        ({"aux": {"t": {"dtype": "int32", "shape": ["B", "Sk"]}}}, {}, {"t": torch.zeros(2, 23, dtype=torch.int32)},
+         r"t must be a torch.int32 tensor of shape \(2, 24\) \(B, Sk\)"),
+        ({"aux": {"t": {"dtype": "float32", "shape": [4, 4]}}}, {}, {"t": torch.zeros(4, 8)[:, ::2]},
+         "must be contiguous"),
+        ({}, {}, {"nope": 1}, "aux has nope, which the spec does not declare"),
+    ],
+)
+def test_bad_variant_arguments_raise_naming_them(spec_fields, given, aux, message):
+    spec = fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=2, **spec_fields)
+    q, k = _qk()
+    with pytest.raises(ValueError, match=message):
+        variant_arguments(spec, q, k, _none(**given), aux)
+
+
+def test_documents_check_their_cumulative_lengths():
+    spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
+    q, k = _qk(batch=1, sq=10, sk=12)
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), None) == [cu_q, cu_k]
+    with pytest.raises(ValueError, match="cu_seqlens_k must be a torch.int32 tensor of shape \\(3,\\)"):
+        variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k[:2]), None)
+    with pytest.raises(ValueError, match="cu_seqlens_q needs at least 2 entries"):
+        variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q[:1], cu_seqlens_k=cu_k[:1]), None)
+    with pytest.raises(ValueError, match="cu_seqlens_q= is missing"):
+        variant_arguments(spec, q, k, _none(), None)

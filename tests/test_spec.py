@@ -384,6 +384,24 @@ PLAUSIBLE = {
     "softcap": st.none() | st.floats(min_value=0, exclude_min=True, allow_infinity=False),
     "softmax_scale": st.none() | st.floats(min_value=0, exclude_min=True, allow_infinity=False),
     "return_lse": st.booleans(),
+    "mask": st.none() | st.sampled_from(["none", "causal", "prefix_lm", "document", "chunked", "bogus"])
+    | st.fixed_dictionaries({"kind": st.just("chunked"), "size": st.integers(-5, 2**31)})
+    | st.fixed_dictionaries({"kind": st.just("sliding_window"), "left": st.none() | st.integers(-1, 4096),
+                             "right": st.none() | st.integers(-1, 4096)})
+    | st.fixed_dictionaries({"kind": st.just("expression"),
+                             "expr": st.sampled_from(["kv_idx <= q_idx", "q_idx // w == kv_idx // w", "score > 0",
+                                                      "t[h] > 0", "__import__('os')", "kv_idx"])}),
+    "score_mod": st.none() | st.sampled_from(["alibi", "softcap", "relative_bias", "nope"])
+    | st.fixed_dictionaries({"kind": st.just("alibi"), "slopes": st.sampled_from(["standard", "tensor", "x"])})
+    | st.fixed_dictionaries({"kind": st.just("relative_bias"), "max_distance": st.integers(-1, 70000)})
+    | st.fixed_dictionaries({"kind": st.just("softcap"), "cap": st.floats(-1, 100)})
+    | st.fixed_dictionaries({"kind": st.just("expression"),
+                             "expr": st.sampled_from(["score * 2", "score - t[h] * abs(q_idx - kv_idx)", "q_idx < 3",
+                                                      "score + w", "open('x')"])}),
+    "sinks": st.booleans(),
+    "aux": st.sampled_from([{}, {"t": {"dtype": "float32", "shape": ["Hq"]}}, {"t": {"dtype": "int8", "shape": [4]}},
+                            {"score": {"dtype": "float32", "shape": [4]}}, {"t": {"dtype": "int32", "shape": []}}]),
+    "scalars": st.sampled_from([{}, {"w": "int32"}, {"w": "float32"}, {"w": "float64"}, {"q_idx": "int32"}]),
 }
 
 
@@ -481,3 +499,97 @@ def test_window_beyond_int32_indexing_is_rejected():
 
 def test_causal_and_window_right_zero_share_a_canonical_form():
     assert AttentionSpec(causal=True).canonical() == AttentionSpec(window_right=0).canonical()
+
+
+# --------------------------------------------------------------------------- variants (masks, score mods, sinks, aux)
+
+BAD_VARIANTS = [
+    ("mask_unknown_kind", {"mask": "diagonal"}, ["mask", "'diagonal'", "chunked", "prefix_lm", "document"]),
+    ("chunk_zero", {"mask": {"kind": "chunked", "size": 0}}, ["mask.chunked.size", "greater than or equal to 1"]),
+    ("chunk_missing_size", {"mask": {"kind": "chunked"}}, ["mask.chunked.size", "Field required"]),
+    ("chunk_extra_key", {"mask": {"kind": "chunked", "size": 8, "causal": False}}, ["causal", "Extra inputs"]),
+    ("prefix_and_causal", {"mask": "prefix_lm", "causal": True}, ["prefix_lm", "drop causal"]),
+    ("chunk_and_window_right", {"mask": {"kind": "chunked", "size": 64}, "window_right": 5},
+     ["chunked is causal within each chunk", "window_right=5"]),
+    ("mask_causal_twice", {"mask": "none", "causal": True}, ["mask: none", "causal=True", "set the mask once"]),
+    ("window_twice", {"mask": {"kind": "sliding_window", "left": 8}, "window_left": 16},
+     ["mask: sliding_window", "window_left=16"]),
+    ("softcap_twice", {"score_mod": {"kind": "softcap", "cap": 30}, "softcap": 50.0}, ["softcap", "set the cap once"]),
+    ("score_mod_unknown", {"score_mod": "rope"}, ["score_mod", "'rope'", "alibi", "relative_bias"]),
+    ("alibi_bad_slopes", {"score_mod": {"kind": "alibi", "slopes": "learned"}}, ["slopes", "'standard' or 'tensor'"]),
+    ("relbias_zero", {"score_mod": {"kind": "relative_bias", "max_distance": 0}}, ["max_distance", "greater than or equal to 1"]),
+    ("expr_attribute", {"score_mod": {"kind": "expression", "expr": "score.real"}},
+     ["score_mod.expr", "Attribute is not allowed", "^"]),
+    ("expr_import", {"mask": {"kind": "expression", "expr": "__import__('os').system('x')"}},
+     ["mask.expr", "only where, min, max"]),
+    ("expr_mask_is_number", {"mask": {"kind": "expression", "expr": "kv_idx - q_idx"}},
+     ["mask.expr", "a mask must be a condition"]),
+    ("expr_undeclared_aux", {"score_mod": {"kind": "expression", "expr": "score + bias[h]"}},
+     ["score_mod.expr", "only declared aux tensors can be indexed"]),
+    ("expr_undeclared_scalar", {"mask": {"kind": "expression", "expr": "kv_idx < w"}},
+     ["mask.expr", "unknown name 'w'"]),
+    ("aux_reserved_name", {"aux": {"score": {"dtype": "float32", "shape": [4]}}}, ["'score' is not allowed"]),
+    ("aux_bad_dtype", {"aux": {"t": {"dtype": "float64", "shape": [4]}}}, ["aux.t.dtype", "'float32' or 'int32'"]),
+    ("aux_bad_dim", {"aux": {"t": {"dtype": "float32", "shape": ["H"]}}}, ["aux.t.shape", "'B'", "'Hq'"]),
+    ("aux_no_dims", {"aux": {"t": {"dtype": "float32", "shape": []}}}, ["aux.t.shape", "at least 1 item"]),
+    ("aux_and_scalar", {"aux": {"t": {"dtype": "float32", "shape": [4]}}, "scalars": {"t": "int32"}},
+     ["t declared both as aux tensor and as scalar"]),
+    ("scalar_bad_dtype", {"scalars": {"w": "int64"}}, ["scalars.w", "'float32' or 'int32'"]),
+    ("sinks_maybe", {"sinks": "maybe"}, ["sinks", "valid boolean"]),
+]
+
+
+@pytest.mark.parametrize("fields, expected", [pytest.param(f, e, id=i) for i, f, e in BAD_VARIANTS])
+def test_bad_variant_is_rejected_with_a_helpful_message(fields, expected):
+    with pytest.raises(ValidationError) as info:
+        AttentionSpec.model_validate(fields)
+    message = str(info.value)
+    for part in expected:
+        assert part in message, f"{part!r} missing from:\n{message}"
+    with pytest.raises(ValidationError):  # and from YAML
+        spec_from_yaml(yaml.safe_dump(fields))
+
+
+@pytest.mark.parametrize(
+    "spelled, flat",
+    [
+        ({"mask": "causal"}, {"causal": True}),
+        ({"mask": {"kind": "causal"}}, {"causal": True}),
+        ({"mask": "none"}, {}),
+        ({"mask": {"kind": "sliding_window", "left": 100, "right": 0}}, {"window_left": 100, "window_right": 0}),
+        ({"mask": {"kind": "sliding_window", "left": 64}}, {"window_left": 64}),
+        ({"score_mod": {"kind": "softcap", "cap": 30.0}}, {"softcap": 30.0}),
+    ],
+)
+def test_flat_kinds_fold_into_the_flat_fields(spelled, flat):
+    spec = AttentionSpec.model_validate(spelled)
+    assert spec.mask is None and spec.score_mod is None
+    assert spec == AttentionSpec(**flat)
+    assert spec.canonical_json() == AttentionSpec(**flat).canonical_json()
+
+
+def test_variant_properties_and_summary():
+    chunked = AttentionSpec(mask={"kind": "chunked", "size": 1024})
+    assert chunked.right_bound == 0 and chunked.mask_kind == "chunked" and chunked.has_mask
+    assert "chunked1024" in chunked.summary()
+    docs = AttentionSpec(mask="document", causal=True, sinks=True)
+    assert docs.is_varlen and docs.summary().endswith("causal document sinks")
+    assert AttentionSpec(score_mod="alibi").summary().endswith("alibi")
+
+
+def test_aux_declaration_order_does_not_change_the_spec_or_its_kernel_arguments():
+    from fa4gen.variants import lower
+
+    aux = {"zeta": {"dtype": "float32", "shape": ["Hq"]}, "alpha": {"dtype": "int32", "shape": [16, "Sk"]}}
+    expr = {"kind": "expression", "expr": "score + zeta[h] * alpha[0, kv_idx]"}
+    a = AttentionSpec(score_mod=expr, aux=aux, scalars={"w": "float32", "c": "int32"})
+    b = AttentionSpec(score_mod=expr, aux=dict(reversed(aux.items())), scalars={"c": "int32", "w": "float32"})
+    assert a == b and hash(a) == hash(b) and a.canonical_json() == b.canonical_json()
+    assert [e.name for e in lower(a).extras] == [e.name for e in lower(b).extras] == ["alpha", "zeta", "c", "w"]
+
+
+def test_every_spec_file_round_trips_through_yaml(tmp_path):
+    for path in sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.yaml")):
+        spec = load_spec(path)
+        again = spec_from_yaml(dump_spec(spec))
+        assert again == spec and again.canonical_json() == spec.canonical_json(), path.name

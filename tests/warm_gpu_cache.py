@@ -12,11 +12,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fa4gen  # noqa: E402
-from gpu_cases import example_specs, gpu_specs, plan_option_cases  # noqa: E402
+from gpu_cases import example_specs, gpu_specs, plan_option_cases, variant_specs  # noqa: E402
 
 
 def main(cache_dir: str) -> None:
-    for name, spec in {**gpu_specs(), **example_specs()}.items():
+    for name, spec in {**gpu_specs(), **variant_specs(), **example_specs()}.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
         state = "compiled" if result.built_now else "cached"

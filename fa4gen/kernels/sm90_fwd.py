@@ -91,6 +91,9 @@ class HopperAttentionForward(Sm90MainLoop):
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
         self.score_mod = score_mod
         self.mask_mod = mask_mod
+        # an expression mask comes with a block mask (built on the GPU by fa4gen.blockmask):
+        # per query tile, the list of non-empty key tiles and whether each is full
+        self.block_sparse = mask_mod is not None
         self.sinks = sinks
         self.extra_names = tuple(extra_names)
         self.return_lse = return_lse
@@ -257,8 +260,23 @@ class HopperAttentionForward(Sm90MainLoop):
         m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches)
         n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                  sizes.args)
-        return TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo,
-                        split_hi=split_hi, n_max=n_max)
+        t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
+                     n_max=n_max, n_count=cutlass.max(n_max - n_min, 0))
+        if cutlass.const_expr(self.block_sparse):
+            # the block mask lists this tile's non-empty key tiles (its tables may be shared
+            # across batch entries and heads: a size-1 mode broadcasts)
+            t.mask_b = batch % sizes.args.block_count.shape[0]
+            t.mask_h = head % sizes.args.block_count.shape[1]
+            t.n_count = sizes.args.block_count[t.mask_b, t.mask_h, m_block]
+        return t
+
+    @cute.jit
+    def key_block(self, t, i: Int32, args) -> Int32:
+        """The i-th key tile a query tile visits: from the highest down, or the block mask's list."""
+        n_block = t.n_max - 1 - i
+        if cutlass.const_expr(self.block_sparse):
+            n_block = args.block_index[t.mask_b, t.mask_h, t.m_block, i]
+        return n_block
 
     @cute.jit
     def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes):
@@ -287,22 +305,22 @@ class HopperAttentionForward(Sm90MainLoop):
         tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gVt, 0, 2))
-        if t.n_max > t.n_min:
+        if t.n_count > 0:
             pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_k, tKg[None, t.n_max - 1], tKs[None, kv_state.index],
+            cute.copy(tma_k, tKg[None, self.key_block(t, 0, sizes.args)], tKs[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         for w in cutlass.range_constexpr(self.num_consumers):
             cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, w],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
-        if t.n_max > t.n_min:
+        if t.n_count > 0:
             pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_v, tVg[None, t.n_max - 1], tVs[None, kv_state.index],
+            cute.copy(tma_v, tVg[None, self.key_block(t, 0, sizes.args)], tVs[None, kv_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
             kv_state.advance()
-        for i in cutlass.range(t.n_max - t.n_min - 1, unroll=1):
-            n_block = t.n_max - 2 - i
+        for i in cutlass.range(t.n_count - 1, unroll=1):
+            n_block = self.key_block(t, i + 1, sizes.args)
             pipe_k.producer_acquire(kv_state)
             cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
@@ -339,7 +357,6 @@ class HopperAttentionForward(Sm90MainLoop):
     @cute.jit
     def consume(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
         """One consumer warpgroup: every tile of this CTA, main loop then epilogue."""
-        pipe_q = pipes[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -367,7 +384,7 @@ class HopperAttentionForward(Sm90MainLoop):
         loop.args = sizes.args
         loop.batch, loop.head = t.batch, t.head
         pipe_q.consumer_wait(q_state)
-        if t.n_max > t.n_min:
+        if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
         if cutlass.const_expr(not self.o_over_q):
             pipe_q.consumer_release(q_state)

@@ -7,9 +7,10 @@ Two schedules, chosen by the plan:
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
 warpgroup's softmax fills the time another's MMAs hold the tensor cores.
 
-Key tiles run from the highest down: the first tile always runs the mask (it may hold the
-diagonal or the ragged end of Sk); after it, a run-time flag per tile says whether it crosses a
-mask bound (see masking.py), so interior tiles skip the mask code.
+Key tiles run from the highest down (or in a block mask's list order): the first tile always
+runs the mask (it may hold the diagonal or the ragged end of Sk); after it, a run-time flag per
+tile says whether it crosses a mask bound (see masking.py) or, with a block mask, whether the
+tile is partial, so interior and full tiles skip the mask code.
 """
 
 from __future__ import annotations
@@ -37,37 +38,40 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, has_left_mask, has_right_mask, score_mod, mask_mod, key_tiles, softmax."""
+    pingpong, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
+    softmax and key_block()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
-        """All key tiles of one query tile; returns the advanced K and V pipeline states."""
-        top = tile.n_max - 1
+        """All key tiles of one query tile (``tile.n_count`` of them, in key_block order);
+        returns the advanced K and V pipeline states."""
+        first = self.key_block(tile, 0, loop.args)
         if cutlass.const_expr(self.overlap):
-            k_state = self.first_tile(loop, tile, top, k_state)
-            for i in cutlass.range(top - tile.n_min, unroll=1):
-                n_block = top - 1 - i
+            k_state = self.first_tile(loop, tile, first, k_state)
+            for i in cutlass.range(tile.n_count - 1, unroll=1):
+                n_block = self.key_block(tile, i + 1, loop.args)
                 k_state, v_state = self.overlapped_tile(
-                    loop, tile, n_block, k_state, v_state, self.needs_mask(tile, n_block)
+                    loop, tile, n_block, k_state, v_state, self.needs_mask(loop, tile, i + 1, n_block)
                 )
             v_state = self.pv_product(loop, v_state)
         else:
-            k_state = self.serial_tile(loop, tile, top, k_state, True)
-            for i in cutlass.range(top - tile.n_min, unroll=1):
-                n_block = top - 1 - i
-                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(tile, n_block))
+            k_state = self.serial_tile(loop, tile, first, k_state, True)
+            for i in cutlass.range(tile.n_count - 1, unroll=1):
+                n_block = self.key_block(tile, i + 1, loop.args)
+                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(loop, tile, i + 1, n_block))
             v_state = k_state.clone()
         return k_state, v_state
 
     @cute.jit
-    def needs_mask(self, tile, n_block: Int32):
-        """Whether key tile ``n_block`` (not the first, which is always masked) crosses a mask
-        bound: a run-time flag, so masked and interior tiles share one traced loop body and only
-        boundary tiles execute mask code. Without a bound it is the constant False (the only
-        ragged tile, the last one of Sk, is the first tile)."""
+    def needs_mask(self, loop, tile, i: Int32, n_block: Int32):
+        """Whether the i-th visited key tile ``n_block`` (not the first, which is always masked)
+        needs mask code: a run-time flag, so masked and interior tiles share one traced loop
+        body and only boundary tiles execute it. With a block mask, its 'full' flag decides; with
+        structural bounds, whether the tile crosses one; without any it is the constant False
+        (the only ragged tile, the last one of Sk, is the first tile)."""
         masked = False
-        if cutlass.const_expr(self.mask_mod is not None):
-            masked = True  # an expression mask is checked on every tile
+        if cutlass.const_expr(self.block_sparse):
+            masked = loop.args.block_full[tile.mask_b, tile.mask_h, tile.m_block, i] == 0
         elif cutlass.const_expr(self.has_right_mask and self.has_left_mask):
             masked = n_block >= tile.split_hi or n_block < tile.split_lo
         elif cutlass.const_expr(self.has_right_mask):

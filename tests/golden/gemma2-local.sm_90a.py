@@ -30,9 +30,11 @@
 #     exp2_poly_period           2          softcap's tanh also runs on MUFU: 1 in 2 exponentials by polynomial on the FMA units
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
 #     smem_bytes                 230400     Q + 2 x (K + V) tiles + barriers, of 232448 available
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from fa4gen.kernels.sm90_fwd import HopperAttentionForward
 
@@ -41,7 +43,7 @@ PRE_TANH = 0.00125  # softmax_scale / softcap
 
 
 @cute.jit
-def score_mod(s: Float32) -> Float32:
+def score_mod(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
     """Scaled score, soft-capped: softcap * tanh(s * softmax_scale / softcap)."""
     return Float32(SOFTCAP) * cute.math.tanh(s * Float32(PRE_TANH), fastmath=True)
 
@@ -49,6 +51,10 @@ def score_mod(s: Float32) -> Float32:
 SCORE_MOD = score_mod
 # scores leave score_mod in natural-log units: exp2 needs only log2(e)
 SCALE_LOG2 = 1.4426950408889634
+
+MASK_MOD = None
+# run-time arguments after num_ctas, in the order the kernel takes them
+EXTRAS = ()
 
 
 def make_kernel() -> HopperAttentionForward:
@@ -68,6 +74,12 @@ def make_kernel() -> HopperAttentionForward:
         window_left=4096,
         window_right=0,
         score_mod=SCORE_MOD,
+        mask_mod=MASK_MOD,
+        chunk=None,
+        prefix_lm=False,
+        document=False,
+        sinks=False,
+        extra_names=EXTRAS,
         return_lse=False,
         intra_warpgroup_overlap=True,
         pingpong=False,
@@ -76,3 +88,10 @@ def make_kernel() -> HopperAttentionForward:
         exp2_poly_period=2,
         rescale_threshold=8.0,
     )
+
+
+@cute.jit
+def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32,
+          stream: cuda.CUstream):
+    """The exported function: flat arguments, the variant's extras gathered into one tuple."""
+    make_kernel()(q, k, v, o, lse, num_ctas, (), stream)

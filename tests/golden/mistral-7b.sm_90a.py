@@ -28,15 +28,21 @@
 #     exp2_poly_period           0          d <= 128: MUFU keeps up with the tensor cores; every exp2 stays on it
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
 #     smem_bytes                 197632     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from fa4gen.kernels.sm90_fwd import HopperAttentionForward
 
 SCORE_MOD = None
 # softmax_scale * log2(e), folded into the exp2 FMA
 SCALE_LOG2 = 0.12751743082459868
+
+MASK_MOD = None
+# run-time arguments after num_ctas, in the order the kernel takes them
+EXTRAS = ()
 
 
 def make_kernel() -> HopperAttentionForward:
@@ -56,6 +62,12 @@ def make_kernel() -> HopperAttentionForward:
         window_left=4096,
         window_right=0,
         score_mod=SCORE_MOD,
+        mask_mod=MASK_MOD,
+        chunk=None,
+        prefix_lm=False,
+        document=False,
+        sinks=False,
+        extra_names=EXTRAS,
         return_lse=False,
         intra_warpgroup_overlap=True,
         pingpong=True,
@@ -64,3 +76,10 @@ def make_kernel() -> HopperAttentionForward:
         exp2_poly_period=0,
         rescale_threshold=8.0,
     )
+
+
+@cute.jit
+def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32,
+          stream: cuda.CUstream):
+    """The exported function: flat arguments, the variant's extras gathered into one tuple."""
+    make_kernel()(q, k, v, o, lse, num_ctas, (), stream)
