@@ -118,14 +118,8 @@ def _flex_mods(spec: fa4gen.AttentionSpec, args: dict, q_heads: int):
     elif spec.softcap is not None:
         cap = spec.softcap
         score_mod = lambda s, b, h, q, k: cap * torch.tanh(s / cap)  # noqa: E731
-    left, right = spec.left_bound, spec.right_bound
-
     def mask_mod(b, h, q, k):
-        keep = q >= 0
-        if right is not None:
-            keep = keep & (k <= q + right)
-        if left is not None:
-            keep = keep & (k >= q - left)
+        keep = bench.window_keep(spec, q, k)
         if spec.mask_kind == "chunked":
             keep = keep & (q // spec.mask.size == k // spec.mask.size)
         if spec.mask_kind == "prefix_lm":
@@ -144,6 +138,7 @@ def flex_function(variant: Variant, args: dict, q_heads: int) -> Callable:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    bench.raise_dynamo_limits()
     spec = variant.spec
     if spec.is_varlen:
         cu = args["cu_seqlens_q"].long()

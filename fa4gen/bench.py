@@ -163,27 +163,35 @@ def _sdpa(spec: AttentionSpec, backend_name: str) -> Callable | None:
     return run
 
 
-def _flex(spec: AttentionSpec, case: BenchCase) -> Callable | None:
-    import torch
+def raise_dynamo_limits() -> None:
+    """Every grid cell is a new shape: past dynamo's default of 8 recompiles FlexAttention would
+    silently fall back to eager (an order of magnitude slower), so raise the limits."""
     import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    # every grid cell is a new shape: past dynamo's default of 8 recompiles it would silently
-    # fall back to eager FlexAttention (an order of magnitude slower), so raise the limits
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, 8192
     )
 
-    left, right = spec.left_bound, spec.right_bound
+
+def window_keep(spec: AttentionSpec, q_idx, kv_idx):
+    """The causal / window bounds as a FlexAttention mask_mod body (Sq == Sk in every cell)."""
+    keep = q_idx >= 0
+    if spec.right_bound is not None:
+        keep = keep & (kv_idx <= q_idx + spec.right_bound)
+    if spec.left_bound is not None:
+        keep = keep & (kv_idx >= q_idx - spec.left_bound)
+    return keep
+
+
+def _flex(spec: AttentionSpec, case: BenchCase) -> Callable | None:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    raise_dynamo_limits()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = q_idx >= 0
-        if right is not None:
-            keep = keep & (kv_idx <= q_idx + right)
-        if left is not None:
-            keep = keep & (kv_idx >= q_idx - left)
-        return keep
+        return window_keep(spec, q_idx, kv_idx)
 
     block_mask = None
     if spec.has_mask:

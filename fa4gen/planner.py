@@ -104,6 +104,21 @@ def sm90_smem_bytes(
     return (q + o + kv) * elem_bytes + SMEM_RESERVE_BYTES
 
 
+SM90_PRESSURE_MAX_TILE_N_D256 = 64
+
+
+def _register_pressure(spec: AttentionSpec) -> str:
+    """What in the variant adds per-score registers (bounds per row, coordinates, aux loads),
+    or "" when nothing does: plain, causal-only and softcap kernels fit the table's rows."""
+    if spec.score_mod is not None:
+        return f"a {spec.score_mod.kind} score modifier (coordinates per score)"
+    if spec.mask_kind is not None:
+        return f"a {spec.mask_kind} mask (bounds per row)"
+    if spec.left_bound is not None and spec.right_bound is not None:
+        return "a two-sided window (both bounds checked per tile)"
+    return ""
+
+
 def _exp2_split(spec: AttentionSpec, row: TileRow) -> tuple[int, str]:
     """How many exponentials leave MUFU for the FMA units, and why."""
     if spec.softcap is not None:
@@ -122,17 +137,20 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
     warpgroups = row.consumer_warpgroups
     warpgroup_reason = row.reason
-    two_sided = spec.left_bound is not None and spec.right_bound is not None
-    if warpgroups == 3 and two_sided:
-        # checking both window bounds per tile needs more than the 160 registers of 3 warpgroups
-        # (measured: ~80 spilled registers), so two-sided windows keep 2 warpgroups at 240
+    tile_n, stages = row.tile_n, row.kv_stages
+    tile_reason = row.reason
+    pressure = _register_pressure(spec)
+    if pressure and warpgroups == 3:
+        # measured: 50-80 registers spilled at the 160 of 3 warpgroups; 2 warpgroups get 240
         warpgroups = 2
-        warpgroup_reason = "a two-sided window (both bounds checked per tile) needs 240 registers: 2 warpgroups"
+        warpgroup_reason = f"{pressure} needs more than 160 registers per thread: 2 warpgroups at 240"
+    if pressure and tile_n > SM90_PRESSURE_MAX_TILE_N_D256 and max(dqk, dv) > 192:
+        # d256 keeps 128 O registers: with per-score bounds the 80-key S tile spilled (26-42)
+        tile_n = SM90_PRESSURE_MAX_TILE_N_D256
+        tile_reason = f"{row.reason}; {pressure} at d256: S back to {tile_n} keys so nothing spills"
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_m = WARPGROUP_MMA_M * warpgroups
-    tile_n, stages = row.tile_n, row.kv_stages
-    tile_reason = row.reason
     elem = 2
     limit = caps.smem_bytes_per_cta
     # dv > d: O cannot be staged over Q's rows, so it always gets its own buffer

@@ -220,7 +220,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
     "stem, snippets",
     [
         ("gemma2-local", ["window_left=4096,", "window_right=0,", "head_dim=256,", "qhead_per_kvhead=2,",
-                          "tile_n=80,", "SOFTCAP = 50.0", "SCORE_MOD = score_mod"]),
+                          "tile_n=64,", "SOFTCAP = 50.0", "SCORE_MOD = score_mod"]),
         ("mistral-7b", ["window_left=4096,", "window_right=0,", "qhead_per_kvhead=4,", "SCORE_MOD = None"]),
         ("llama3-8b", ["window_left=None,", "window_right=0,", "qhead_per_kvhead=4,", "tile_n=128,"]),
         ("vit", ["head_dim=64,", "window_left=None,", "window_right=None,", "kv_stages=2,"]),

@@ -299,3 +299,28 @@ def test_tuning_candidates_vary_the_exponential_split():
     assert {0, 2, 3, 4, 8} <= periods
     assert any(p.rescale_threshold == 0.0 for p in found)
     assert len({p.canonical_json() for p in found}) == len(found)
+
+
+@pytest.mark.parametrize(
+    "fields, warpgroups, tile_n",
+    [
+        ({"head_dim": 64}, 3, 128),
+        ({"head_dim": 64, "causal": True, "softcap": 30.0}, 3, 128),
+        ({"head_dim": 64, "score_mod": "alibi"}, 2, 128),
+        ({"head_dim": 64, "mask": {"kind": "chunked", "size": 256}}, 2, 128),
+        ({"head_dim": 64, "window_left": 8, "window_right": 8}, 2, 128),
+        ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, 2, 128),
+        ({"head_dim": 256}, 2, 80),
+        ({"head_dim": 256, "causal": True, "softcap": 50.0}, 2, 80),
+        ({"head_dim": 256, "causal": True, "window_left": 4096}, 2, 64),
+        ({"head_dim": 256, "mask": "document"}, 2, 64),
+        ({"head_dim": 128, "score_mod": {"kind": "relative_bias", "max_distance": 8}}, 2, 128),
+    ],
+)
+def test_register_hungry_variants_get_registers(fields, warpgroups, tile_n):
+    """Per-score bounds, coordinates and aux loads spilled at 3 warpgroups (d64) and with 80-key
+    tiles at d256 (checked in SASS by the cross-compile tests): the planner steps back."""
+    p = plan(AttentionSpec(**fields), "sm_90a")
+    assert (p.num_consumer_warpgroups, p.tile_n) == (warpgroups, tile_n)
+    if warpgroups == 2 and fields.get("head_dim") == 64:
+        assert "needs more than 160 registers" in p.reasons["num_consumer_warpgroups"]

@@ -16,7 +16,7 @@
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     kv_stages                  2          small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
-#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: a two-sided window (both bounds checked per tile) needs 240 registers: 2 warpgroups
+#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: a two-sided window (both bounds checked per tile) needs more than 160 registers per thread: 2 warpgroups at 240
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
 #     head_dim_padded            64         wgmma K granule is 16; TMA zero-fills the padding
