@@ -306,8 +306,8 @@ def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str
             args = [f"Float32({code})" if a.type == "int" else code for a, code in zip(node.args, args)]
         if node.kind == "neg":
             return f"(-{args[0]})"
-        if node.kind == "not":
-            return f"(not {args[0]})"
+        if node.kind == "not":  # bitwise on 1-bit values: no short-circuit branches per score
+            return f"(~cutlass.Boolean({args[0]}))"
         if node.kind == "bin":
             if node.value == "/":
                 return f"(Float32({args[0]}) / Float32({args[1]}))"
@@ -315,7 +315,7 @@ def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str
         if node.kind == "cmp":
             return f"({args[0]} {node.value} {args[1]})"
         if node.kind in ("and", "or"):
-            return "(" + f" {node.kind} ".join(args) + ")"
+            return "(" + (" & " if node.kind == "and" else " | ").join(args) + ")"
         if node.kind == "index":
             return f"{names.get(node.value, node.value)}[{', '.join(args)}]"
         name = node.value

@@ -70,10 +70,9 @@ class TileRow:
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
-    TileRow(64, 3, 128, 2, True, 4, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
+    TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers"),
-    TileRow(96, 2, 128, 2, True, 8, "d96: 128x128 tiles with ping-pong; exponentials still outpace MUFU "
-            "at 384 FLOPs each, so 1 in 8 goes to the FMA units"),
+    TileRow(96, 2, 128, 2, True, 0, "d96: 128x128 tiles with ping-pong (P in registers)"),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
@@ -81,9 +80,12 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
 )
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
-# tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load.
-# Where MUFU is the limit, a row of the table moves 1 of every k exponentials to the FMA pipe.
-EXP2_POLY_PERIOD_SOFTCAP = 2  # tanh keeps MUFU busy alone: half the exponentials on the FMA units
+# tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load, so
+# FlashAttention-4 moves part of the exponentials to a polynomial on the FMA units. Measured on
+# the H200 (BENCHMARKS.md), every share tried made this kernel slower: d64 6-18% at 1 in 4, d96
+# 0-6% at 1 in 8, softcap 3-5% at 1 in 2 (the softmax's FMA/ALU work, not MUFU, is the limit
+# here). The table keeps every exp2 on MUFU; `fa4gen tune` still tries 1 in 2..8.
+EXP2_POLY_PERIOD_SOFTCAP = 0
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) <= 64 K
@@ -121,13 +123,14 @@ def _register_pressure(spec: AttentionSpec) -> str:
 
 def _exp2_split(spec: AttentionSpec, row: TileRow) -> tuple[int, str]:
     """How many exponentials leave MUFU for the FMA units, and why."""
-    if spec.softcap is not None:
+    if spec.softcap is not None and EXP2_POLY_PERIOD_SOFTCAP:
         return EXP2_POLY_PERIOD_SOFTCAP, (f"softcap's tanh also runs on MUFU: 1 in {EXP2_POLY_PERIOD_SOFTCAP} "
                                           "exponentials by polynomial on the FMA units")
     if row.exp2_poly_period:
         return row.exp2_poly_period, (f"d <= {row.max_head_dim}: exponentials outpace MUFU, so 1 in "
                                       f"{row.exp2_poly_period} runs as a polynomial on the FMA units")
-    return 0, f"d <= {row.max_head_dim}: MUFU keeps up with the tensor cores; every exp2 stays on it"
+    return 0, (f"d <= {row.max_head_dim}: every exp2 on MUFU (the FMA-unit polynomial measured slower on the "
+               "H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)")
 
 
 def _plan_sm90(spec: AttentionSpec) -> Plan:

@@ -87,6 +87,8 @@ class AttentionKernel:
         self.path = path
         self._function = function
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
+        self._doc_ids: tuple = (None, None)  # document masks: (cu_seqlens_q identity, ids)
+        self._lowered = lower(spec)  # parsed once: calls only look it up
 
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
@@ -126,14 +128,17 @@ class AttentionKernel:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
         given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
                  "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-        if block_mask is not None and lower(self.spec).mask is None:
+        if varlen and isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.ndim == 1:
+            given["doc_ids_q"] = self._document_ids(cu_seqlens_q, seqlen_q)
+        if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
-        if lower(self.spec).mask is not None:
+        if self._lowered.mask is not None:
             if block_mask is None:
                 block_mask = self._cached_block_mask(q, k, aux)
             check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
             given.update(block_count=block_mask.count, block_index=block_mask.index, block_full=block_mask.full)
-        extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k))
+        extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k),
+                                   lowered=self._lowered)
         if out.numel() > 0:
             self._function(q, k, v, out, lse, multiprocessor_count(q.device), *extras)
         if varlen:
@@ -141,6 +146,18 @@ class AttentionKernel:
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
 
+
+    def _document_ids(self, cu_seqlens_q, total: int):
+        """The document of every packed query token (int32), kept while cu_seqlens_q is the same
+        unmodified tensor: the kernel then finds a row's document with one load."""
+        import torch
+
+        key = (cu_seqlens_q.data_ptr(), cu_seqlens_q._version, tuple(cu_seqlens_q.shape), total)
+        if self._doc_ids[0] != key:
+            tokens = torch.arange(total, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+            docs = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
+            self._doc_ids = (key, docs.clamp_(0, max(cu_seqlens_q.shape[0] - 2, 0)).to(torch.int32))
+        return self._doc_ids[1]
 
     def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, aux=None, device="cuda"):
         """Build the block mask of this kernel's expression mask for one shape (on the GPU), to
@@ -152,7 +169,7 @@ class AttentionKernel:
     def _cached_block_mask(self, q, k, aux):
         """A block mask for this call, reused while the shape, the scalars and the aux tensors the
         mask reads (same tensor, unmodified: torch's version counter) stay the same."""
-        uses = lower(self.spec).mask.uses
+        uses = self._lowered.mask.uses
         values = {name: value for name, value in (aux or {}).items() if name in uses}
         key = (q.shape[0], q.shape[2], q.shape[1], k.shape[1], str(q.device),
                tuple(sorted((n, _identity(v)) for n, v in values.items())))
@@ -321,9 +338,9 @@ def _check_scalar(extra: Extra, value: Any):
 
 
 def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dict[str, Any] | None,
-                      max_seqlens: tuple = (None, None)) -> list[Any]:
+                      max_seqlens: tuple = (None, None), lowered=None) -> list[Any]:
     """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch."""
-    extras = lower(spec).extras
+    extras = (lowered or lower(spec)).extras
     wanted = {e.role for e in extras}
     for name, value in given.items():
         if value is not None and name not in wanted:

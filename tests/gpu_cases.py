@@ -42,6 +42,9 @@ def variant_specs() -> dict[str, AttentionSpec]:
         "window-relbias-softcap+lse": AttentionSpec(
             head_dim=128, causal=True, window_left=300, softcap=20.0, return_lse=True,
             score_mod={"kind": "relative_bias", "max_distance": 64}),
+        "expression-not-or+lse": AttentionSpec(
+            head_dim=128, mask={"kind": "expression", "expr": "not (kv_idx > q_idx) and not (q_idx - kv_idx >= 300) "
+                                                              "or kv_idx == 0"}, return_lse=True),
         "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
                                         return_lse=True),
         "empty-rows-sinks+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},

@@ -277,14 +277,16 @@ def test_arch_for_reserved_capability():
 
 
 @pytest.mark.parametrize(
-    "fields, period",
-    [({"head_dim": 64}, 4), ({"head_dim": 32}, 4), ({"head_dim": 128}, 0), ({"head_dim": 256}, 0),
-     ({"head_dim": 128, "softcap": 50.0}, 2), ({"head_dim": 64, "softcap": 30.0}, 2)],
+    "fields",
+    [{"head_dim": 64}, {"head_dim": 32}, {"head_dim": 96}, {"head_dim": 128}, {"head_dim": 256},
+     {"head_dim": 128, "softcap": 50.0}, {"head_dim": 64, "softcap": 30.0}],
 )
-def test_exp2_polynomial_share_follows_the_exponential_load(fields, period):
+def test_exp2_stays_on_mufu_by_default(fields):
+    """The FMA-unit polynomial measured slower on the H200 at every share (BENCHMARKS.md): the
+    table keeps it off and says so; tuning still tries it."""
     p = plan(AttentionSpec(**fields), "sm_90a")
-    assert p.exp2_poly_period == period
-    assert ("polynomial" in p.reasons["exp2_poly_period"]) == (period > 0)
+    assert p.exp2_poly_period == 0
+    assert "measured slower" in p.reasons["exp2_poly_period"]
 
 
 def test_conditional_rescale_is_on_by_default():

@@ -127,10 +127,25 @@ def test_documents_check_their_cumulative_lengths():
     spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
     q, k = _qk(batch=1, sq=10, sk=12)
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
-    assert variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), None) == [cu_q, cu_k]
+    ids = torch.tensor([0] * 4 + [1] * 6, dtype=torch.int32)
+    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_ids_q=ids)
+    assert variant_arguments(spec, q, k, given, None) == [cu_q, cu_k, ids]
     with pytest.raises(ValueError, match="cu_seqlens_k must be a torch.int32 tensor of shape \\(3,\\)"):
-        variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k[:2]), None)
+        variant_arguments(spec, q, k, {**given, "cu_seqlens_k": cu_k[:2]}, None)
     with pytest.raises(ValueError, match="cu_seqlens_q needs at least 2 entries"):
-        variant_arguments(spec, q, k, _none(cu_seqlens_q=cu_q[:1], cu_seqlens_k=cu_k[:1]), None)
+        variant_arguments(spec, q, k, {**given, "cu_seqlens_q": cu_q[:1], "cu_seqlens_k": cu_k[:1]}, None)
     with pytest.raises(ValueError, match="cu_seqlens_q= is missing"):
         variant_arguments(spec, q, k, _none(), None)
+
+
+def test_document_ids_follow_cu_seqlens_and_are_reused():
+    from fa4gen.runtime import AttentionKernel
+
+    spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
+    kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # an empty middle document
+    ids = kernel._document_ids(cu, 7)
+    assert ids.tolist() == [0, 0, 0, 2, 2, 2, 2] and ids.dtype == torch.int32
+    assert kernel._document_ids(cu, 7) is ids  # same tensor, unmodified: reused
+    cu[1] = 1  # modified in place: rebuilt
+    assert kernel._document_ids(cu, 7).tolist() == [0, 1, 1, 2, 2, 2, 2]

@@ -6,8 +6,10 @@ Every structural mask gives query row i one visible key interval [start(i), end(
 - causal / windows: end <= p + right + 1, start >= p - left;
 - chunked(C): start >= (p // C) * C and end <= p + 1 (causal within the chunk);
 - prefix-LM: [0, max(p + 1, prefix[b])), the prefix length a run-time tensor per batch;
-- document (packed sequences): the interval of the row's own document from cu_seqlens, with
-  p aligned to that document's end, combined with causal / windows as above.
+- document (packed sequences): the interval of the row's own document from cu_seqlens (the
+  document of each query token comes precomputed), with p aligned to that document's end,
+  combined with causal / windows as above.
+Rows without keys get an empty interval at their start.
 Both start(i) and end(i) never decrease with i, so a query tile's key range comes from its first
 and last rows alone: tiles in [n_min, split_lo) and [split_hi, n_max) are masked boundary tiles,
 tiles in [split_lo, split_hi) are interior (no mask code), and the rest are never loaded.
@@ -39,26 +41,13 @@ class KeyTileRange:
                 or self.document)
 
     @cute.jit
-    def document_of(self, row: Int32, cu_seqlens: cute.Tensor) -> Int32:
-        """The largest d with cu_seqlens[d] <= row (binary search; empty documents are skipped)."""
-        lo = Int32(0)
-        hi = Int32(cu_seqlens.shape[0] - 2)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cu_seqlens[mid] <= row:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    @cute.jit
     def row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """[start, end) of the keys query row ``row`` sees (end <= start: none)."""
         start = Int32(0)
         end = seqlen_k
         position = row + seqlen_k - seqlen_q
         if cutlass.const_expr(self.document):
-            doc = self.document_of(row, args.cu_seqlens_q)
+            doc = args.doc_ids_q[row]  # precomputed per token by the caller (one load, no search)
             start = args.cu_seqlens_k[doc]
             end = args.cu_seqlens_k[doc + 1]
             position = row + end - args.cu_seqlens_q[doc + 1]
@@ -70,6 +59,9 @@ class KeyTileRange:
             start = cutlass.max(start, cutlass.max(position, 0) // self.chunk * self.chunk)
         if cutlass.const_expr(self.prefix):
             end = cutlass.min(cutlass.max(position + 1, args.prefix_lengths[batch]), seqlen_k)
+        # a row without keys gets the empty interval [start, start): ends never decrease then,
+        # also where a document's first queries see nothing (its queries outnumber its keys)
+        end = cutlass.max(end, start)
         return start, end
 
     @cute.jit

@@ -27,7 +27,7 @@
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one; causal/window tiles go heaviest first in a snake order that pairs heavy and light tiles per CTA
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
-#     exp2_poly_period           0          d <= 128: MUFU keeps up with the tensor cores; every exp2 stays on it
+#     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
 #     smem_bytes                 197632     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
