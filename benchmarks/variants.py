@@ -2,6 +2,7 @@
 
     python benchmarks/variants.py warm                      # any machine: compile fa4gen's kernels
     python benchmarks/variants.py run [--out rows.json]     # on the GPU (peers where installed)
+    python benchmarks/variants.py report rows.json          # markdown table
 
 Shapes follow the anchors file: 16k tokens (B x S), d128 with 16 query heads (d64 with 32),
 causal where the variant is. Each variant runs FlexAttention with the same score_mod /
@@ -246,6 +247,25 @@ def run(args) -> None:
     print(bench.markdown_table(rows, ["fa4", "flex"]))
 
 
+def report(args) -> None:
+    """Markdown: TFLOP/s, fa4gen's ratio to each peer, and documents against dense causal."""
+    result = json.loads(Path(args.file).read_text())
+    env = result["environment"]
+    print(f"Measured {env['date']} on {env['device']}: torch {env['torch']}, flash-attn-4 {env['flash-attn-4']}, "
+          f"fa4gen {env['fa4gen']}.\n")
+    print("| variant | S | B | fa4gen | flash-attn-4 | FlexAttention | vs flash-attn-4 | vs FlexAttention |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        cells = [f"{row[p]:.0f}" if row.get(p) else "-" for p in ("fa4gen", "fa4", "flex")]
+        ratios = [f"{row['fa4gen'] / row[p]:.2f}x" if row.get(p) and row.get("fa4gen") else "-" for p in ("fa4", "flex")]
+        print(f"| {row['case']} | {row['seqlen']} | {row['batch']} | " + " | ".join(cells + ratios) + " |")
+    dense = result["dense_causal_at_document_length"]
+    docs = next(r for r in result["rows"] if r["case"].startswith("documents"))
+    print(f"\nPacked documents {docs['fa4gen']:.0f} TFLOP/s against the dense causal kernel at the document "
+          f"length ({dense['seqlen']} tokens, batch {dense['batch']}): {dense['fa4gen']:.0f} TFLOP/s "
+          f"({docs['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP).")
+
+
 def _environment() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from run import environment
@@ -260,6 +280,9 @@ def main() -> None:
     run_parser = sub.add_parser("run")
     run_parser.add_argument("--out", default="")
     run_parser.set_defaults(func=run)
+    report_parser = sub.add_parser("report")
+    report_parser.add_argument("file")
+    report_parser.set_defaults(func=report)
     args = parser.parse_args()
     args.func(args)
 
