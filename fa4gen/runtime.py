@@ -87,7 +87,7 @@ class AttentionKernel:
         self.path = path
         self._function = function
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
-        self._doc_ids: tuple = (None, None)  # document masks: (cu_seqlens_q identity, ids)
+        self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
 
     def __repr__(self) -> str:
@@ -128,8 +128,9 @@ class AttentionKernel:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
         given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
                  "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-        if varlen and isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.ndim == 1:
-            given["doc_ids_q"] = self._document_ids(cu_seqlens_q, seqlen_q)
+        if varlen and all(isinstance(t, torch.Tensor) and t.ndim == 1 and t.dtype == torch.int32
+                          and t.shape[0] >= 2 for t in (cu_seqlens_q, cu_seqlens_k)):
+            given["doc_ids_q"], given["m_block_order"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
         if self._lowered.mask is not None:
@@ -147,17 +148,27 @@ class AttentionKernel:
         return (out, lse) if self.spec.return_lse else out
 
 
-    def _document_ids(self, cu_seqlens_q, total: int):
-        """The document of every packed query token (int32), kept while cu_seqlens_q is the same
-        unmodified tensor: the kernel then finds a row's document with one load."""
+    def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
+        """(document of every packed query token, query tiles ranked by work): kept while both
+        cu_seqlens are the same unmodified tensors. The kernel then finds a row's document with
+        one load, and its persistent schedule hands out the heaviest query tiles first (work
+        restarts at every document, so tile order alone does not rank it)."""
         import torch
 
-        key = (cu_seqlens_q.data_ptr(), cu_seqlens_q._version, tuple(cu_seqlens_q.shape), total)
-        if self._doc_ids[0] != key:
-            tokens = torch.arange(total, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
-            docs = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
-            self._doc_ids = (key, docs.clamp_(0, max(cu_seqlens_q.shape[0] - 2, 0)).to(torch.int32))
-        return self._doc_ids[1]
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k)) + (total,)
+        if self._doc_tables[0] != key:
+            cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+            tokens = torch.arange(total, device=cu_q.device)
+            docs = (torch.searchsorted(cu_q, tokens, right=True) - 1).clamp_(0, cu_q.shape[0] - 2)
+            tile_m, tile_n = self.plan.tile_m, self.plan.tile_n
+            first = torch.arange(0, total, tile_m, device=cu_q.device)
+            last = (first + tile_m).clamp(max=total) - 1
+            start, _ = _document_interval(self.spec, first, docs[first], cu_q, cu_k)
+            _, end = _document_interval(self.spec, last, docs[last], cu_q, cu_k)
+            work = (-(-end // tile_n) - start // tile_n).clamp(min=0)
+            order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+            self._doc_tables = (key, (docs.to(torch.int32), order))
+        return self._doc_tables[1]
 
     def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, aux=None, device="cuda"):
         """Build the block mask of this kernel's expression mask for one shape (on the GPU), to
@@ -182,6 +193,20 @@ class AttentionKernel:
 
 
 BLOCK_MASK_CACHE_SIZE = 16
+
+
+def _document_interval(spec: AttentionSpec, rows, docs, cu_q, cu_k):
+    """[start, end) of the keys packed query rows see (torch; as the kernel's masking.row_range
+    for documents): the row's document, causal / window bounds aligned to its end."""
+    import torch
+
+    start, end = cu_k[docs], cu_k[docs + 1]
+    position = rows + end - cu_q[docs + 1]
+    if spec.right_bound is not None:
+        end = torch.minimum(end, position + spec.right_bound + 1)
+    if spec.left_bound is not None:
+        start = torch.maximum(start, position - spec.left_bound)
+    return start, torch.maximum(end, start)
 
 
 def _identity(value):
@@ -360,6 +385,9 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     index = given.get("block_index")
     if index is not None:  # checked against the plan by check_block_mask; here only named
         sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))
+    order = given.get("m_block_order")
+    if order is not None:  # built by the callable from the plan's tile_m, like the block mask
+        sizes["M"] = order.shape[0]
     values = []
     for extra in extras:
         if extra.role == "scalar":

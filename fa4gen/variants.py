@@ -26,7 +26,8 @@ class Extra:
     """One run-time argument of the kernel after num_ctas."""
 
     name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
-    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_ids_q", "block_count", "block_index",
+    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_ids_q", "m_block_order",
+                  "block_count", "block_index",
                   "block_full", "alibi_slopes", "rel_bias", "aux", "scalar"]
     dtype: Literal["float32", "int32"]
     shape: tuple[Dim, ...] = ()  # () for a scalar
@@ -83,7 +84,9 @@ def lower(spec: AttentionSpec) -> Lowered:
         extras += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
                    Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",)),
                    # the document of every query token, derived from cu_seqlens_q by the caller
-                   Extra("doc_ids_q", "doc_ids_q", "int32", ("Sq",))]
+                   Extra("doc_ids_q", "doc_ids_q", "int32", ("Sq",)),
+                   # query tiles ranked by their work, most first (the persistent schedule's order)
+                   Extra("m_block_order", "m_block_order", "int32", ("M",))]
     if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
         extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
                    Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),

@@ -128,8 +128,9 @@ def test_documents_check_their_cumulative_lengths():
     q, k = _qk(batch=1, sq=10, sk=12)
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
     ids = torch.tensor([0] * 4 + [1] * 6, dtype=torch.int32)
-    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_ids_q=ids)
-    assert variant_arguments(spec, q, k, given, None) == [cu_q, cu_k, ids]
+    order = torch.zeros(1, dtype=torch.int32)
+    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_ids_q=ids, m_block_order=order)
+    assert variant_arguments(spec, q, k, given, None) == [cu_q, cu_k, ids, order]
     with pytest.raises(ValueError, match="cu_seqlens_k must be a torch.int32 tensor of shape \\(3,\\)"):
         variant_arguments(spec, q, k, {**given, "cu_seqlens_k": cu_k[:2]}, None)
     with pytest.raises(ValueError, match="cu_seqlens_q needs at least 2 entries"):
@@ -138,14 +139,30 @@ def test_documents_check_their_cumulative_lengths():
         variant_arguments(spec, q, k, _none(), None)
 
 
-def test_document_ids_follow_cu_seqlens_and_are_reused():
+def test_document_tables_follow_cu_seqlens_and_are_reused():
     from fa4gen.runtime import AttentionKernel
 
     spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
     kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # an empty middle document
-    ids = kernel._document_ids(cu, 7)
-    assert ids.tolist() == [0, 0, 0, 2, 2, 2, 2] and ids.dtype == torch.int32
-    assert kernel._document_ids(cu, 7) is ids  # same tensor, unmodified: reused
+    ids, order = kernel._document_tables(cu, cu, 7)
+    assert ids.tolist() == [0, 0, 0, 2, 2, 2, 2] and ids.dtype == order.dtype == torch.int32
+    assert kernel._document_tables(cu, cu, 7)[0] is ids  # same tensors, unmodified: reused
     cu[1] = 1  # modified in place: rebuilt
-    assert kernel._document_ids(cu, 7).tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert kernel._document_tables(cu, cu, 7)[0].tolist() == [0, 1, 1, 2, 2, 2, 2]
+
+
+def test_document_query_tiles_are_ranked_by_work():
+    """Packed causal documents: a tile's work restarts at each document, so the schedule's
+    order comes from the key tiles each query tile sees, most first."""
+    from fa4gen.runtime import AttentionKernel
+
+    spec = fa4gen.AttentionSpec(head_dim=128, mask="document", causal=True)
+    plan = fa4gen.plan(spec)
+    kernel = AttentionKernel(spec, plan, function=None)
+    doc = 4 * plan.tile_m  # documents of 4 query tiles each, tiles aligned to documents
+    cu = torch.arange(0, 3 * doc + 1, doc, dtype=torch.int32)
+    _, order = kernel._document_tables(cu, cu, 3 * doc)
+    position_in_doc = (order % 4).tolist()
+    assert position_in_doc == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]  # last tiles of each document first
+    assert sorted(order.tolist()) == list(range(12))

@@ -8,6 +8,9 @@ one CTA per tile is the special case of a single round. The numbering decides th
   first. Work then falls linearly with the tile number, and the snake pairs a heavy tile with a
   light one for every CTA: a static schedule with balanced totals, no atomics.
 - otherwise the query tile is the fastest digit: CTAs running together share one head's K/V in L2.
+Packed documents break "higher query tile = more work" (work restarts at every document), so
+there the caller passes the query tiles ranked by their work (``order``: most first) and the
+slowest digit indexes that ranking.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from cutlass import Int32
 
 
 class TileScheduler:
-    def __init__(self, heavy_first: bool):
+    def __init__(self, heavy_first: bool, ranked: bool = False):
         self.heavy_first = heavy_first
+        self.ranked = ranked  # heavy_first through a run-time ranking of the query tiles
 
     @cute.jit
     def tile_of(self, round_: Int32, cta: Int32, grid: Int32) -> Int32:
@@ -30,13 +34,15 @@ class TileScheduler:
         return round_ * grid + offset
 
     @cute.jit
-    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32):
+    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, order=None):
         """tile index -> (m_block, head, batch)."""
         m_block = Int32(0)
         head_batch = Int32(0)
         if cutlass.const_expr(self.heavy_first):
             heads_batches = num_heads * num_batches
             m_block = num_m_blocks - 1 - tile // heads_batches
+            if cutlass.const_expr(self.ranked):
+                m_block = order[tile // heads_batches]
             head_batch = tile % heads_batches
         else:
             m_block = tile % num_m_blocks

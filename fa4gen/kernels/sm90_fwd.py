@@ -104,7 +104,7 @@ class HopperAttentionForward(Sm90MainLoop):
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
         self.has_left_mask = window_left is not None or chunk is not None or document
         self.has_right_mask = window_right is not None or prefix_lm or document
-        self.scheduler = TileScheduler(heavy_first=self.key_tiles.structural)
+        self.scheduler = TileScheduler(heavy_first=self.key_tiles.structural, ranked=document)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -257,7 +257,9 @@ class HopperAttentionForward(Sm90MainLoop):
 
     @cute.jit
     def tile_info(self, tile: Int32, sizes):
-        m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches)
+        order = sizes.args.m_block_order if cutlass.const_expr(self.scheduler.ranked) else None
+        m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches,
+                                                     order)
         n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                  sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
