@@ -133,24 +133,30 @@ def _exp2_split(spec: AttentionSpec, row: TileRow) -> tuple[int, str]:
                "H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)")
 
 
-def _plan_sm90(spec: AttentionSpec) -> Plan:
-    caps = Arch.SM90A.caps
-    dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
-    dv = _round_up(spec.dv, MMA_K_GRANULE)
-    row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
-    warpgroups = row.consumer_warpgroups
-    warpgroup_reason = row.reason
-    tile_n, stages = row.tile_n, row.kv_stages
-    tile_reason = row.reason
+def _sm90_register_fit(spec: AttentionSpec, row: TileRow, head_dim: int) -> tuple[int, str, int, str]:
+    """(warpgroups, why, tile_n, why): the table's row, stepped back where the variant's
+    per-score registers would spill."""
+    warpgroups, warpgroup_reason = row.consumer_warpgroups, row.reason
+    tile_n, tile_reason = row.tile_n, row.reason
     pressure = _register_pressure(spec)
     if pressure and warpgroups == 3:
         # measured: 50-80 registers spilled at the 160 of 3 warpgroups; 2 warpgroups get 240
         warpgroups = 2
         warpgroup_reason = f"{pressure} needs more than 160 registers per thread: 2 warpgroups at 240"
-    if pressure and tile_n > SM90_PRESSURE_MAX_TILE_N_D256 and max(dqk, dv) > 192:
+    if pressure and tile_n > SM90_PRESSURE_MAX_TILE_N_D256 and head_dim > 192:
         # d256 keeps 128 O registers: with per-score bounds the 80-key S tile spilled (26-42)
         tile_n = SM90_PRESSURE_MAX_TILE_N_D256
         tile_reason = f"{row.reason}; {pressure} at d256: S back to {tile_n} keys so nothing spills"
+    return warpgroups, warpgroup_reason, tile_n, tile_reason
+
+
+def _plan_sm90(spec: AttentionSpec) -> Plan:
+    caps = Arch.SM90A.caps
+    dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
+    dv = _round_up(spec.dv, MMA_K_GRANULE)
+    row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
+    warpgroups, warpgroup_reason, tile_n, tile_reason = _sm90_register_fit(spec, row, max(dqk, dv))
+    stages = row.kv_stages
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_m = WARPGROUP_MMA_M * warpgroups
