@@ -9,6 +9,11 @@ is computed. O leaves through shared memory (over the warpgroup's own Q rows) by
 which clips the ragged edges. A persistent launch (one CTA per SM) walks the tile order of
 scheduler.py; the producer runs ahead into the next tile while consumers finish the last.
 
+Variants plug in without touching this machinery: the score hook (score_mod) and expression
+mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
+(masking.py); the variant's run-time values (sinks, prefix lengths, cu_seqlens, block masks,
+aux tensors and scalars) arrive as one tuple, read by name (variant.py).
+
 Everything tile-shaped is a compile-time constant from the Plan; batch, heads and sequence
 lengths are run-time values, so one compiled kernel serves all sizes.
 """
