@@ -1,4 +1,4 @@
-"""Everything in examples/ runs (the GPU half of the quickstart runs in the GPU tests' device run)."""
+"""Everything in examples/ runs (the GPU halves of the examples run in the device runs)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def test_quickstart_cross_compiles_without_gpu(warm_cache):
     result = _run([sys.executable, "examples/quickstart.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(root)})
     assert result.returncode == 0, result.stderr
     assert "plan for sm_90a" in result.stdout and "cache hit" in result.stdout
+
+
+def test_variants_example_cross_compiles_without_gpu(warm_cache):
+    root, _ = warm_cache  # both specs are in specs/, so already warm: the example hits them
+    result = _run([sys.executable, "examples/variants.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(root)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("cache hit") == 2, result.stdout
 
 
 @pytest.mark.skipif(shutil.which("fa4gen") is None, reason="console script not installed")
