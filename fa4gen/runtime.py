@@ -147,7 +147,6 @@ class AttentionKernel:
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
 
-
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
         """(document of every packed query token, query tiles ranked by work): kept while both
         cu_seqlens are the same unmodified tensors. The kernel then finds a row's document with

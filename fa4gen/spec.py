@@ -237,7 +237,9 @@ class AttentionSpec(BaseModel):
             if kind == "sliding_window":
                 flat = {"window_left": mask.get("left"), "window_right": mask.get("right")}
             for name, value in flat.items():
-                if data.get(name) not in (None, False) and data.get(name) != value:
+                given = data.get(name)
+                # unset is None (or False for causal); note 0 == False, so test identity
+                if given is not None and given is not False and given != value:
                     raise ValueError(f"mask: {kind} and {name}={data[name]!r} both given: set the mask once")
                 data[name] = value
             data["mask"] = None

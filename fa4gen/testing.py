@@ -100,12 +100,12 @@ def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True, args=None, i
     the results) are packed (total, H, D)."""
     args = dict(args or {})
     if spec.is_varlen:
-        out, lse = _reference(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), upcast, args, independent, spec)
+        out, lse = _reference(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), upcast, args, independent)
         return out.squeeze(0), lse.squeeze(0)
-    return _reference(spec, q, k, v, upcast, args, independent, spec)
+    return _reference(spec, q, k, v, upcast, args, independent)
 
 
-def _reference(spec, q, k, v, upcast, args, independent, mask_spec):
+def _reference(spec, q, k, v, upcast, args, independent):
     import torch
 
     dtype = torch.float32 if upcast else q.dtype
@@ -122,7 +122,7 @@ def _reference(spec, q, k, v, upcast, args, independent, mask_spec):
         scores = modified.to(scores.dtype) if not upcast else modified.float()
     if spec.softcap is not None:
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
-    mask = visible_mask(mask_spec, q.shape[1], k.shape[1], device=q.device, args=args, env=env)
+    mask = visible_mask(spec, q.shape[1], k.shape[1], device=q.device, args=args, env=env)
     scores = scores.masked_fill(~mask, float("-inf"))
     if spec.sinks:
         sink = args["sinks"].to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)

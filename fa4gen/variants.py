@@ -43,10 +43,6 @@ class Lowered:
     mask: Expression | None  # an expression mask (ANDed with the structural masks)
     extras: tuple[Extra, ...]
 
-    def index(self, role: str) -> int | None:
-        """Position of the first extra with ``role`` (None if the variant has none)."""
-        return next((i for i, extra in enumerate(self.extras) if extra.role == role), None)
-
 
 _KIND = {"float32": "float", "int32": "int"}
 

@@ -514,6 +514,8 @@ BAD_VARIANTS = [
     ("mask_causal_twice", {"mask": "none", "causal": True}, ["mask: none", "causal=True", "set the mask once"]),
     ("window_twice", {"mask": {"kind": "sliding_window", "left": 8}, "window_left": 16},
      ["mask: sliding_window", "window_left=16"]),
+    ("window_zero_twice", {"mask": {"kind": "sliding_window", "left": 5}, "window_left": 0},
+     ["mask: sliding_window", "window_left=0"]),
     ("softcap_twice", {"score_mod": {"kind": "softcap", "cap": 30}, "softcap": 50.0}, ["softcap", "set the cap once"]),
     ("score_mod_unknown", {"score_mod": "rope"}, ["score_mod", "'rope'", "alibi", "relative_bias"]),
     ("alibi_bad_slopes", {"score_mod": {"kind": "alibi", "slopes": "learned"}}, ["slopes", "'standard' or 'tensor'"]),
