@@ -1,7 +1,7 @@
 """Run the speed grid on a GPU: fa4gen against its peers in one process, one table.
 
     python benchmarks/run.py warm [--grid full|quick]          # any machine: compile the grid's kernels
-    python benchmarks/run.py run  [--grid full|quick] [--part 1/3] [--out rows.json]   # on the GPU
+    python benchmarks/run.py run  [--grid full|quick] [--part 1/3] [--match causal] [--out rows.json]   # on the GPU
     python benchmarks/run.py report rows1.json rows2.json ... > table.md
 
 fa4gen's kernels come from the cache (FA4GEN_CACHE_DIR); peers are imported if installed
@@ -24,6 +24,9 @@ from fa4gen import bench
 
 def _cases(args) -> list[bench.BenchCase]:
     cases = bench.grid(args.grid)
+    if getattr(args, "match", ""):
+        words = args.match.split(",")
+        cases = [case for case in cases if any(word in case.name for word in words)]
     index, parts = (int(x) for x in args.part.split("/"))
     return cases[index - 1 :: parts]
 
@@ -91,6 +94,8 @@ def main(argv=None) -> None:
         p.add_argument("--grid", choices=("full", "quick"), default="full")
         p.add_argument("--part", default="1/1", help="run every k-th case: i/k")
     sub.choices["run"].add_argument("--out", default="")
+    sub.choices["run"].add_argument("--match", default="", help="only cases whose name contains one of these "
+                                    "comma-separated words")
     sub.choices["run"].add_argument("--peers", default=",".join(bench.PEERS))
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

@@ -3,6 +3,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
 
     python benchmarks/schedule_options.py warm     # any machine: compile every variant
     python benchmarks/schedule_options.py run      # on the GPU
+    python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ SEQLENS = (4096, 16384, 1024)
 
 def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     out = []
-    for d in (64, 128, 256):
+    from fa4gen.planner import _sm90_fits, _sm90_variant
+
+    for d in (64, 96, 128, 256):
         for causal in (False, True):
             spec = fa4gen.AttentionSpec(head_dim=d, causal=causal)
             base = fa4gen.plan(spec)
             out.append(("default", spec, base))
             out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
+            wider = _sm90_variant(base, "32 more keys per tile", tile_n=base.tile_n + 32)
+            if _sm90_fits(wider):
+                out.append(("tile_n+32", spec, wider))
+            if base.q_stages == 2:
+                out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
+            if base.tile_order == "paired":
+                out.append(("heavy-first", spec, base.model_copy(update={"tile_order": "heavy_first"})))
             if d <= 128:
                 out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
             out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
@@ -32,15 +42,19 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     return out
 
 
-def main(command: str) -> None:
+def main(command: str, seqlens: tuple[int, ...] = SEQLENS, labels: tuple[str, ...] = ()) -> None:
     if command == "warm":
         for label, spec, plan in variants():
+            if labels and label not in labels:
+                continue
             result = fa4gen.build(spec, "sm_90a", kernel_plan=plan)
             print(f"{label:12} {spec.summary():24} {'compiled' if result.built_now else 'cached'}", flush=True)
         return
     print("matmul ceiling", round(bench.matmul_ceiling_tflops()), flush=True)
-    for seqlen in SEQLENS:
+    for seqlen in seqlens:
         for label, spec, plan in variants():
+            if labels and label not in labels:
+                continue
             case = bench.make_case(spec, seqlen)
             impls = {"fa4gen": fa4gen.compile(spec, kernel_plan=plan)}
             if label == "default":
@@ -49,4 +63,6 @@ def main(command: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "run")
+    argv = sys.argv[1:] + [""] * 3
+    main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
+         tuple(argv[2].split(",")) if argv[2] else ())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from fa4gen.arch import Arch, require_supported
@@ -29,6 +30,7 @@ class Plan(BaseModel):
     tile_m: int  # query rows per CTA (= 64 x consumer warpgroups)
     tile_n: int  # key rows per main-loop step
     kv_stages: int  # depth of the K and V shared-memory ring buffers
+    q_stages: int  # Q buffers: 2 lets the next tile's Q load while this tile computes
     num_consumer_warpgroups: int
     producer_regs: int  # setmaxnreg for the TMA producer warpgroup
     consumer_regs: int  # setmaxnreg for each MMA/softmax warpgroup
@@ -39,6 +41,7 @@ class Plan(BaseModel):
     intra_warpgroup_overlap: bool
     pingpong: bool
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
+    tile_order: Literal["head_major", "heavy_first", "paired"]  # see fa4gen.kernels.scheduler
     separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
@@ -97,10 +100,10 @@ def _round_up(value: int, granule: int) -> int:
 
 
 def sm90_smem_bytes(
-    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool
+    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool, q_stages: int = 1
 ) -> int:
-    """Q tile + K/V ring + (when separate) the O staging buffer."""
-    q = tile_m * dqk
+    """Q tile(s) + K/V ring + (when separate) the O staging buffer."""
+    q = q_stages * tile_m * dqk
     o = tile_m * dv if separate_o else 0
     kv = stages * tile_n * (dqk + dv)
     return (q + o + kv) * elem_bytes + SMEM_RESERVE_BYTES
@@ -150,6 +153,19 @@ def _sm90_register_fit(spec: AttentionSpec, row: TileRow, head_dim: int) -> tupl
     return warpgroups, warpgroup_reason, tile_n, tile_reason
 
 
+def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
+    """How query tiles are handed to CTAs (fa4gen.kernels.scheduler), and why."""
+    if spec.right_bound == 0 and spec.left_bound is None and spec.mask_kind is None:
+        return "paired", ("causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work "
+                          "per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V "
+                          "is read from HBM about once (heaviest-first over all heads re-read it per tile)")
+    if spec.left_bound is not None or spec.right_bound is not None or spec.mask_kind in {
+            "chunked", "prefix_lm", "document"}:
+        return "heavy_first", ("work per query tile differs: the heaviest tiles start first, in a snake order "
+                               "that pairs heavy and light tiles per CTA")
+    return "head_major", "equal work per query tile: the CTAs running together share one head's K/V in L2"
+
+
 def _plan_sm90(spec: AttentionSpec) -> Plan:
     caps = Arch.SM90A.caps
     dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
@@ -159,6 +175,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     stages = row.kv_stages
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
+    tile_order, order_reason = _tile_order(spec)
     tile_m = WARPGROUP_MMA_M * warpgroups
     elem = 2
     limit = caps.smem_bytes_per_cta
@@ -171,7 +188,8 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
             tile_n -= MMA_K_GRANULE
         tile_reason = f"{row.reason}; shrunk to fit {limit // 1024} KB of shared memory"
     separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True) <= limit
-    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o)
+    q_stages = 2 if separate_o and sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True, 2) <= limit else 1
+    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o, q_stages)
     regs_total = 128 * (producer_regs + warpgroups * consumer_regs)
     assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
     reasons = {
@@ -180,6 +198,9 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "tile_m": f"{warpgroups} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
         "tile_n": tile_reason,
         "kv_stages": tile_reason,
+        "q_stages": "a second Q buffer fits: the next tile's Q loads while this one computes (no wait "
+        "for Q between tiles)" if q_stages == 2 else
+        "one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done",
         "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}",
         "producer_regs": "the producer only issues TMA: give its registers to the consumers",
         "consumer_regs": f"{warpgroups}x128 threads x {consumer_regs} + 128 x "
@@ -197,15 +218,15 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "overlaps another's MMAs" if row.pingpong else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
-        "consumers finish this one" + ("; causal/window tiles go heaviest first in a snake order "
-        "that pairs heavy and light tiles per CTA" if spec.has_mask else ""),
+        "consumers finish this one",
+        "tile_order": order_reason,
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
         "next tile's Q loads during this tile's epilogue" if separate_o else
         "no room for an O buffer: O is staged over each warpgroup's own Q rows",
         "exp2_poly_period": exp2_reason,
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4)",
-        "smem_bytes": f"Q {'+ O ' if separate_o else ''}+ {stages} x (K + V) tiles + barriers, of "
+        "smem_bytes": f"{q_stages} x Q {'+ O ' if separate_o else ''}+ {stages} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
     }
     return Plan(
@@ -214,6 +235,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         tile_m=tile_m,
         tile_n=tile_n,
         kv_stages=stages,
+        q_stages=q_stages,
         num_consumer_warpgroups=warpgroups,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
@@ -224,6 +246,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         intra_warpgroup_overlap=True,
         pingpong=row.pingpong,
         persistent=True,
+        tile_order=tile_order,
         separate_o_smem=separate_o,
         exp2_poly_period=exp2_period,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
@@ -247,20 +270,24 @@ TUNE_EXP2_POLY_PERIODS = (0, 2, 3, 4, 8)  # share of exponentials on the FMA uni
 REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state and the pipeline
 
 
+def plan_smem_bytes(p: Plan) -> int:
+    """The shared memory a plan's buffers take."""
+    return sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
+                           p.separate_o_smem, p.q_stages)
+
+
 def _sm90_fits(p: Plan) -> bool:
     """Shared memory and a register estimate (S fp32 + P 16-bit + O fp32 per thread) fit."""
-    smem = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
-                           p.separate_o_smem)
+    smem = plan_smem_bytes(p)
     fragments = p.tile_n // 2 + p.tile_n // 4 + p.head_dim_v_padded // 2
-    o_over_q_ok = p.separate_o_smem or p.head_dim_v_padded <= p.head_dim_padded
+    o_over_q_ok = p.separate_o_smem or (p.head_dim_v_padded <= p.head_dim_padded and p.q_stages == 1)
     return (smem <= Arch.SM90A.caps.smem_bytes_per_cta and fragments + REGISTER_HEADROOM <= p.consumer_regs
             and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
 
 
 def _sm90_variant(base: Plan, why: str, **update) -> Plan:
     changed = base.model_copy(update=update)
-    smem = sm90_smem_bytes(changed.tile_m, changed.tile_n, changed.kv_stages, changed.head_dim_padded,
-                           changed.head_dim_v_padded, 2, changed.separate_o_smem)
+    smem = plan_smem_bytes(changed)
     reasons = {**base.reasons, **{field: f"tuning candidate: {why}" for field in update}}
     return changed.model_copy(update={"smem_bytes": smem, "reasons": reasons})
 
@@ -279,6 +306,8 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("ping-pong flipped", {"pingpong": not base.pingpong}) if base.intra_warpgroup_overlap else None,
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False}),
         ("persistence flipped", {"persistent": not base.persistent}),
+        (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
+        ("causal tiles heaviest first", {"tile_order": "heavy_first"}) if base.tile_order == "paired" else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",

@@ -111,7 +111,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
     from fa4gen.arch import Arch
-    from fa4gen.planner import SM90_REGISTER_SPLIT, sm90_smem_bytes
+    from fa4gen.planner import SM90_REGISTER_SPLIT, plan_smem_bytes
 
     cases = {}
     for name, spec in {
@@ -126,7 +126,9 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "serial": {"intra_warpgroup_overlap": False, "pingpong": False},
             "pingpong": {"pingpong": not base.pingpong},
             "persistent": {"persistent": not base.persistent},
-            "o-staging": {"separate_o_smem": not base.separate_o_smem},
+            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},
+            "o-staging": {"separate_o_smem": not base.separate_o_smem, "q_stages": 1},
+            "q-stages": {"q_stages": 3 - base.q_stages},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
@@ -134,8 +136,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
         }
         for flip, update in flips.items():
             p = base.model_copy(update=update)
-            fits = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded,
-                                   2, p.separate_o_smem) <= Arch.SM90A.caps.smem_bytes_per_cta
+            fits = plan_smem_bytes(p) <= Arch.SM90A.caps.smem_bytes_per_cta
+            fits = fits and (p.separate_o_smem or p.q_stages == 1)  # O over Q needs one Q buffer
             registers_fit = p.num_consumer_warpgroups == 2 or p.head_dim_v_padded <= 64
             if fits and registers_fit:
                 cases[f"{name}/{flip}"] = (spec, p)

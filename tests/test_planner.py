@@ -40,9 +40,10 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     assert p.head_dim_padded - spec.head_dim < MMA_K_GRANULE  # padded to the next granule only
     assert p.head_dim_v_padded - spec.dv < MMA_K_GRANULE
     expected_smem = sm90_smem_bytes(
-        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem
+        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem, p.q_stages
     )
     assert p.smem_bytes == expected_smem
+    assert p.q_stages in (1, 2) and (p.separate_o_smem or p.q_stages == 1)
     assert p.smem_bytes <= SMEM_LIMIT
     threads_per_warpgroup = 128
     total_regs = threads_per_warpgroup * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs)
@@ -69,6 +70,9 @@ def test_plan_table(head_dim, head_dim_v):
     # O gets its own buffer whenever it fits, and always when it cannot sit over Q (dv > d)
     with_o = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True)
     assert p.separate_o_smem == (with_o <= SMEM_LIMIT or p.head_dim_v_padded > p.head_dim_padded)
+    # a second Q buffer whenever it fits beside a separate O
+    two_q = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 2)
+    assert (p.q_stages == 2) == (p.separate_o_smem and two_q <= SMEM_LIMIT)
     for name in PLAN_FIELDS:
         assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"
     assert set(p.reasons) <= set(PLAN_FIELDS), "reasons for fields the plan does not have"

@@ -1,16 +1,24 @@
 """Which (query tile, head, batch) a CTA works on, for one-shot and persistent launches.
 
-Tiles are numbered 0..num_tiles-1 and handed out in rounds of ``grid`` tiles; in round r, CTA b
-takes tile r*grid + b on even rounds and r*grid + grid-1-b on odd ones (a snake). A launch with
-one CTA per tile is the special case of a single round. The numbering decides the order:
-- ``heavy_first`` (causal / windowed masks, where work per query tile differs): the query tile
-  index is the slowest digit, counted from the end of the sequence, so the longest tiles start
-  first. Work then falls linearly with the tile number, and the snake pairs a heavy tile with a
-  light one for every CTA: a static schedule with balanced totals, no atomics.
-- otherwise the query tile is the fastest digit: CTAs running together share one head's K/V in L2.
-Packed documents break "higher query tile = more work" (work restarts at every document), so
-there the caller passes the query tiles ranked by their work (``order``: most first) and the
-slowest digit indexes that ranking.
+A CTA walks items k = 0, 1, ... of its own list (``items_per_cta``); ``tile_of`` maps an item to a
+tile id and ``decode`` a tile id to (m_block, head, batch); ids that name no tile (the ragged last
+round) are skipped by ``valid``. A launch with one CTA per tile is the special case of one item.
+Three orders (the plan's ``tile_order``):
+- ``head_major`` (uniform work per query tile): the query tile is the fastest digit, in rounds of
+  ``grid`` tiles, so the CTAs running together share one head's K/V in L2.
+- ``heavy_first`` (windows, chunks, prefix-LM, documents: work per query tile differs): the query
+  tile is the slowest digit, counted from the end of the sequence, so the longest tiles start
+  first; rounds alternate direction (a snake), pairing a heavy tile with a light one per CTA. The
+  CTAs of one round work on as many different heads, so K/V is reused in L2 only when all heads'
+  K/V fit there. Packed documents break "higher query tile = more work" (work restarts at every
+  document): the caller passes the query tiles ranked by their work (``order``: most first) and
+  the slowest digit indexes that ranking.
+- ``paired`` (causal, where query tile m sees m + 1 key tiles): one CTA runs query tile M-1-j and
+  then j of the same head, a pair whose work is the same for every j. Pairs are handed out in
+  rounds with the pair fastest, then the head: every CTA does equal work per round (a static
+  schedule that balances without atomics) and the CTAs of a round share few heads, so each K/V
+  tile comes from HBM about once. With an odd tile count the middle tiles (half a pair's work)
+  go last, one per CTA, where they shorten the final round.
 """
 
 from __future__ import annotations
@@ -19,27 +27,73 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+TILE_ORDERS = ("head_major", "heavy_first", "paired")
+
 
 class TileScheduler:
-    def __init__(self, heavy_first: bool, ranked: bool = False):
-        self.heavy_first = heavy_first
-        self.ranked = ranked  # heavy_first through a run-time ranking of the query tiles
+    def __init__(self, order: str, ranked: bool = False):
+        assert order in TILE_ORDERS, order
+        self.order = order
+        # heavy_first through a run-time ranking of the query tiles (other orders ignore it)
+        self.ranked = ranked and order == "heavy_first"
 
     @cute.jit
-    def tile_of(self, round_: Int32, cta: Int32, grid: Int32) -> Int32:
-        """The tile CTA ``cta`` works on in round ``round_`` (may be >= num_tiles in the last)."""
-        offset = cta
-        if round_ % 2 == 1:
-            offset = grid - 1 - cta
-        return round_ * grid + offset
+    def work_units(self, num_m_blocks: Int32, heads_batches: Int32) -> Int32:
+        """What a round hands one CTA each of: tiles, or (paired) pairs of every head followed
+        by the odd middle tiles. A one-shot launch has this many CTAs."""
+        units = num_m_blocks * heads_batches
+        if cutlass.const_expr(self.order == "paired"):
+            units = (num_m_blocks // 2 + num_m_blocks % 2) * heads_batches
+        return units
+
+    @cute.jit
+    def items_per_cta(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32) -> Int32:
+        items = cute.ceil_div(self.work_units(num_m_blocks, heads_batches), grid)
+        if cutlass.const_expr(self.order == "paired"):
+            items = 2 * items
+        return items
+
+    @cute.jit
+    def tile_of(self, item: Int32, cta: Int32, grid: Int32) -> Int32:
+        """The tile id of item ``item`` of CTA ``cta`` (may name no tile: see ``valid``)."""
+        tile = Int32(0)
+        if cutlass.const_expr(self.order == "paired"):
+            tile = ((item // 2) * grid + cta) * 2 + item % 2  # slot * 2 + (0: first, 1: second)
+        else:
+            offset = cta
+            if item % 2 == 1:
+                offset = grid - 1 - cta
+            tile = item * grid + offset
+        return tile
+
+    @cute.jit
+    def valid(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
+        ok = tile < num_m_blocks * heads_batches
+        if cutlass.const_expr(self.order == "paired"):
+            slot = tile // 2
+            single = slot >= (num_m_blocks // 2) * heads_batches
+            ok = (slot < self.work_units(num_m_blocks, heads_batches)) & ((tile % 2 == 0) | ~single)
+        return ok
 
     @cute.jit
     def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, order=None):
-        """tile index -> (m_block, head, batch)."""
+        """tile id -> (m_block, head, batch)."""
         m_block = Int32(0)
         head_batch = Int32(0)
-        if cutlass.const_expr(self.heavy_first):
-            heads_batches = num_heads * num_batches
+        heads_batches = num_heads * num_batches
+        if cutlass.const_expr(self.order == "paired"):
+            pairs = num_m_blocks // 2
+            slot = tile // 2
+            if slot < pairs * heads_batches:
+                head_batch = slot // pairs
+                j = slot % pairs
+                m_block = j
+                if tile % 2 == 0:
+                    m_block = num_m_blocks - 1 - j
+            else:
+                head_batch = slot - pairs * heads_batches
+                m_block = pairs  # the middle tile of an odd count
+        elif cutlass.const_expr(self.order == "heavy_first"):
             m_block = num_m_blocks - 1 - tile // heads_batches
             if cutlass.const_expr(self.ranked):
                 m_block = order[tile // heads_batches]

@@ -5,9 +5,10 @@ tiles, registers given away with setmaxnreg); warpgroups 1..W are consumers, eac
 query rows of the CTA's tile_m: S = Q.K^T (wgmma, both operands in shared memory), score
 modifier + mask + online softmax in registers, O += P.V (wgmma, P from registers); see
 sm90_mainloop.py. K and V have separate mbarrier pipelines so a K stage is released as soon as S
-is computed. O leaves through shared memory (over the warpgroup's own Q rows) by TMA store,
-which clips the ragged edges. A persistent launch (one CTA per SM) walks the tile order of
-scheduler.py; the producer runs ahead into the next tile while consumers finish the last.
+is computed. O leaves through shared memory (its own buffer, whose store runs on into the next
+tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges. A
+persistent launch (one CTA per SM) walks the plan's tile order (scheduler.py); the producer runs
+ahead into the next tile while consumers finish the last.
 
 Variants plug in without touching this machinery: the score hook (score_mod) and expression
 mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
@@ -82,9 +83,11 @@ class HopperAttentionForward(Sm90MainLoop):
         intra_warpgroup_overlap: bool = True,
         pingpong: bool = False,
         persistent: bool = True,
+        tile_order: str = "head_major",
         separate_o_smem: bool = True,
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
+        q_stages: int = 1,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -92,6 +95,7 @@ class HopperAttentionForward(Sm90MainLoop):
         self.dqk, self.dv = head_dim_padded, head_dim_v_padded
         self.qhead_per_kvhead = qhead_per_kvhead
         self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
+        self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
         self.num_consumers = num_consumer_warpgroups
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
         self.score_mod = score_mod
@@ -109,7 +113,7 @@ class HopperAttentionForward(Sm90MainLoop):
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
         self.has_left_mask = window_left is not None or chunk is not None or document
         self.has_right_mask = window_right is not None or prefix_lm or document
-        self.scheduler = TileScheduler(heavy_first=self.key_tiles.structural, ranked=document)
+        self.scheduler = TileScheduler(tile_order, ranked=document)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -117,6 +121,7 @@ class HopperAttentionForward(Sm90MainLoop):
         # tile's Q loads during this tile's epilogue) or over each warpgroup's own Q rows
         self.o_over_q = not separate_o_smem
         assert separate_o_smem or head_dim_v_padded <= head_dim_padded, "O staged over Q needs dv <= d"
+        assert separate_o_smem or q_stages == 1, "O staged over Q needs a single Q buffer"
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -140,8 +145,11 @@ class HopperAttentionForward(Sm90MainLoop):
         # V as the B operand of P.V: (Dv, S, H, B), Dv contiguous (MN-major)
         vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         W = self.num_consumers
-        # Q and O: one 64-row stage per consumer warpgroup, so each touches only its own rows
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W)
+        # Q and O: one 64-row stage per consumer warpgroup, so each touches only its own rows;
+        # Q buffer b holds stages b*W .. b*W+W-1
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W * self.q_stages
+        )
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dv), dtype, W)
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, self.kv_stages
@@ -165,7 +173,7 @@ class HopperAttentionForward(Sm90MainLoop):
 
         @cute.struct
         class SharedStorage:
-            bar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            bar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
@@ -174,10 +182,9 @@ class HopperAttentionForward(Sm90MainLoop):
             sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
-        num_tiles = cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3]
-        grid_x = num_tiles
+        grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3])
         if cutlass.const_expr(self.persistent):
-            grid_x = cutlass.min(num_tiles, num_ctas)
+            grid_x = cutlass.min(grid_x, num_ctas)
         lse = None
         if cutlass.const_expr(mLSE is not None):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
@@ -233,7 +240,7 @@ class HopperAttentionForward(Sm90MainLoop):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         pipes = (
-            self._make_pipeline(storage.bar_q.data_ptr(), 1, self.q_bytes),
+            self._make_pipeline(storage.bar_q.data_ptr(), self.q_stages, self.q_bytes),
             self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes),
             self._make_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes),
         )
@@ -244,7 +251,7 @@ class HopperAttentionForward(Sm90MainLoop):
             num_m_blocks=cute.ceil_div(mQ.shape[0], self.tile_m),
             args=VariantArgs(self.extra_names, extras),
         )
-        sizes.num_tiles = sizes.num_m_blocks * sizes.num_heads * sizes.num_batches
+        sizes.heads_batches = sizes.num_heads * sizes.num_batches
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -258,7 +265,7 @@ class HopperAttentionForward(Sm90MainLoop):
             else:
                 o_ptr = cute.recast_ptr(storage.sO.data_ptr() + wg * cute.cosize(sO_stage), sO_stage.inner, self.dtype)
             sO = cute.make_tensor(o_ptr, sO_stage.outer)
-            self.consume(sQ[None, None, wg], sK, sV, sO, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
+            self.consume(sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
 
     @cute.jit
     def tile_info(self, tile: Int32, sizes):
@@ -289,12 +296,13 @@ class HopperAttentionForward(Sm90MainLoop):
     def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes):
         """One warp: per tile, the first K tile, then Q (waits for the consumers to free it: K can
         run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         grid = cute.arch.grid_dim()[0]
-        for round_ in cutlass.range(cute.ceil_div(sizes.num_tiles, grid), unroll=1):
-            tile = self.scheduler.tile_of(round_, cute.arch.block_idx()[0], grid)
-            if tile < sizes.num_tiles:
+        for item in cutlass.range(self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid),
+                                  unroll=1):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches):
                 kv_state, q_state = self.produce_tile(
                     tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile, kv_state, q_state
                 )
@@ -318,7 +326,8 @@ class HopperAttentionForward(Sm90MainLoop):
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
         pipe_q.producer_acquire(q_state)
         for w in cutlass.range_constexpr(self.num_consumers):
-            cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, w],
+            buffer_stage = q_state.index * self.num_consumers + w
+            cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, buffer_stage],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         if t.n_count > 0:
@@ -364,25 +373,29 @@ class HopperAttentionForward(Sm90MainLoop):
     @cute.jit
     def consume(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
         """One consumer warpgroup: every tile of this CTA, main loop then epilogue."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if cutlass.const_expr(self.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
         grid = cute.arch.grid_dim()[0]
-        for round_ in cutlass.range(cute.ceil_div(sizes.num_tiles, grid), unroll=1):
-            tile = self.scheduler.tile_of(round_, cute.arch.block_idx()[0], grid)
-            if tile < sizes.num_tiles:
+        for item in cutlass.range(self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid),
+                                  unroll=1):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches):
                 q_state, k_state, v_state = self.consume_tile(
                     sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
                 )
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store reads shared memory
 
     @cute.jit
     def consume_tile(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
                      tile: Int32, q_state, k_state, v_state):
         pipe_q = pipes[0]
-        loop = self.make_loop_state(sQ, sK, sV, pipes, wg, wtidx, sizes)
+        loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, pipes, wg,
+                                    wtidx, sizes)
         t = self.tile_info(tile, sizes)
         t.row_base = t.m_block * self.tile_m + wg * 64
         loop.row_start, loop.row_end = self.key_tiles.row_ranges(
@@ -403,26 +416,36 @@ class HopperAttentionForward(Sm90MainLoop):
 
     @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
-        """Normalise O, stage it in shared memory over this warpgroup's Q rows, TMA-store it
-        (clipped to Sq rows and Dv columns), and write the LSE."""
+        """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's Q
+        rows), TMA-store it (clipped to Sq rows and Dv columns) and write the LSE."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         sink = None
         if cutlass.const_expr(self.sinks):
             sink = Float32(loop.args.sinks[t.head])
         self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink)
+        barrier = EPILOGUE_BARRIER_BASE + wg
+        storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
+        if cutlass.const_expr(not self.o_over_q):
+            # O has its own buffer: the previous tile's store was left running; it must have
+            # read the buffer before this tile overwrites it (long done by now, as a rule)
+            if storing:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
         convert_into(loop.acc_o, loop.thr_pv.partition_C(sO))
         cute.arch.fence_proxy("async.shared", space="cta")
-        barrier = EPILOGUE_BARRIER_BASE + wg
         cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
         gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))
         tOs, tOg = cpasync.tma_partition(
             tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
         )
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
+        if storing:
             cute.copy(tma_o, tOs, tOg[None, t.m_block * self.num_consumers + wg])
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
+        if cutlass.const_expr(self.o_over_q):
+            # O sits over Q's rows: the next tile's Q may load only once the store has read them
+            if storing:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
         if cutlass.const_expr(self.return_lse):
             coords = rows_cols_view(loop.coords_s)
             if coords[0, 0][1] == 0:

@@ -16,6 +16,7 @@
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     128        d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
 #     kv_stages                  2          d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
+#     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
@@ -25,11 +26,12 @@
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
-#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one; causal/window tiles go heaviest first in a snake order that pairs heavy and light tiles per CTA
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
+#     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
-#     smem_bytes                 197632     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
+#     smem_bytes                 230400     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -68,6 +70,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_m=128,
         tile_n=128,
         kv_stages=2,
+        q_stages=2,
         num_consumer_warpgroups=2,
         producer_regs=24,
         consumer_regs=240,
@@ -85,6 +88,7 @@ def make_kernel() -> HopperAttentionForward:
         intra_warpgroup_overlap=True,
         pingpong=True,
         persistent=True,
+        tile_order="paired",
         separate_o_smem=True,
         exp2_poly_period=0,
         rescale_threshold=8.0,

@@ -16,6 +16,7 @@
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
 #     tile_n                     64         d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB; a two-sided window (both bounds checked per tile) at d256: S back to 64 keys so nothing spills
 #     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB; a two-sided window (both bounds checked per tile) at d256: S back to 64 keys so nothing spills
+#     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
@@ -25,11 +26,12 @@
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
-#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one; causal/window tiles go heaviest first in a snake order that pairs heavy and light tiles per CTA
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
+#     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA
 #     separate_o_smem            False      no room for an O buffer: O is staged over each warpgroup's own Q rows
 #     exp2_poly_period           0          d <= 256: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
-#     smem_bytes                 197632     Q + 2 x (K + V) tiles + barriers, of 232448 available
+#     smem_bytes                 197632     1 x Q + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -67,6 +69,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_m=128,
         tile_n=64,
         kv_stages=2,
+        q_stages=1,
         num_consumer_warpgroups=2,
         producer_regs=24,
         consumer_regs=240,
@@ -84,6 +87,7 @@ def make_kernel() -> HopperAttentionForward:
         intra_warpgroup_overlap=True,
         pingpong=False,
         persistent=True,
+        tile_order="heavy_first",
         separate_o_smem=False,
         exp2_poly_period=0,
         rescale_threshold=8.0,

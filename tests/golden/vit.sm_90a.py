@@ -12,6 +12,7 @@
 #     tile_m                     192        3 consumer warpgroups x 64 rows each
 #     tile_n                     128        small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     kv_stages                  2          small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
+#     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers
@@ -22,10 +23,11 @@
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
+#     tile_order                 head_major equal work per query tile: the CTAs running together share one head's K/V in L2
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
-#     smem_bytes                 115712     Q + O + 2 x (K + V) tiles + barriers, of 232448 available
+#     smem_bytes                 140288     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -53,6 +55,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_m=192,
         tile_n=128,
         kv_stages=2,
+        q_stages=2,
         num_consumer_warpgroups=3,
         producer_regs=32,
         consumer_regs=160,
@@ -70,6 +73,7 @@ def make_kernel() -> HopperAttentionForward:
         intra_warpgroup_overlap=True,
         pingpong=True,
         persistent=True,
+        tile_order="head_major",
         separate_o_smem=True,
         exp2_poly_period=0,
         rescale_threshold=8.0,
