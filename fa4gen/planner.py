@@ -155,10 +155,13 @@ def _sm90_register_fit(spec: AttentionSpec, row: TileRow, head_dim: int) -> tupl
 
 def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
     """How query tiles are handed to CTAs (fa4gen.kernels.scheduler), and why."""
-    if spec.right_bound == 0 and spec.left_bound is None and spec.mask_kind is None:
+    if spec.right_bound == 0 and spec.mask_kind is None:
+        window = "" if spec.left_bound is None else (
+            f"; with the {spec.left_bound}-key window only while it cuts no row (Sk <= {spec.left_bound + 1}, "
+            "checked at run time), heaviest first otherwise")
         return "paired", ("causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work "
                           "per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V "
-                          "is read from HBM about once (heaviest-first over all heads re-read it per tile)")
+                          f"is read from HBM about once (heaviest-first over all heads re-read it per tile){window}")
     if spec.left_bound is not None or spec.right_bound is not None or spec.mask_kind in {
             "chunked", "prefix_lm", "document"}:
         return "heavy_first", ("work per query tile differs: the heaviest tiles start first, in a snake order "

@@ -330,3 +330,25 @@ def test_register_hungry_variants_get_registers(fields, warpgroups, tile_n):
     assert (p.num_consumer_warpgroups, p.tile_n) == (warpgroups, tile_n)
     if warpgroups == 2 and fields.get("head_dim") == 64:
         assert "needs more than 160 registers" in p.reasons["num_consumer_warpgroups"]
+
+
+@pytest.mark.parametrize(
+    "fields, order",
+    [
+        ({}, "head_major"),
+        ({"causal": True}, "paired"),
+        ({"causal": True, "window_left": 4096}, "paired"),  # pairs while the window cuts no row
+        ({"window_left": 128, "window_right": 0}, "paired"),  # causal spelled as a window
+        ({"window_left": 200, "window_right": 30}, "heavy_first"),  # two-sided: pairs are uneven
+        ({"mask": {"kind": "chunked", "size": 1024}}, "heavy_first"),
+        ({"mask": "prefix_lm"}, "heavy_first"),
+        ({"mask": "document", "causal": True}, "heavy_first"),
+        ({"mask": {"kind": "expression", "expr": "kv_idx <= q_idx"}}, "head_major"),
+        ({"softcap": 30.0}, "head_major"),
+        ({"causal": True, "softcap": 30.0, "sinks": True}, "paired"),
+    ],
+)
+def test_tile_order_follows_the_work_per_query_tile(fields, order):
+    p = plan(AttentionSpec(head_dim=128, **fields), "sm_90a")
+    assert p.tile_order == order
+    assert ("window" in p.reasons["tile_order"]) == ("window_left" in fields and order == "paired")

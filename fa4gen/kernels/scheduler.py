@@ -18,10 +18,14 @@ Three orders (the plan's ``tile_order``):
   rounds with the pair fastest, then the head: every CTA does equal work per round (a static
   schedule that balances without atomics) and the CTAs of a round share few heads, so each K/V
   tile comes from HBM about once. With an odd tile count the middle tiles (half a pair's work)
-  go last, one per CTA, where they shorten the final round.
+  go last, one per CTA, where they shorten the final round. With a left window (``pair_limit``
+  = window + 1) pairs keep equal work only while the window cuts no row (Sk <= pair_limit, which
+  the kernel checks at run time); longer sequences fall back to ``heavy_first``.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -31,74 +35,89 @@ TILE_ORDERS = ("head_major", "heavy_first", "paired")
 
 
 class TileScheduler:
-    def __init__(self, order: str, ranked: bool = False):
+    def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None):
         assert order in TILE_ORDERS, order
         self.order = order
         # heavy_first through a run-time ranking of the query tiles (other orders ignore it)
         self.ranked = ranked and order == "heavy_first"
+        self.pair_limit = pair_limit if order == "paired" else None
 
+    def pairs_now(self, seqlen_k: Int32):
+        """Whether this launch runs pairs: a Python bool, or a run-time flag with a pair limit."""
+        if self.order != "paired":
+            return False
+        if self.pair_limit is None:
+            return True
+        return seqlen_k <= self.pair_limit
+
+    # ------------------------------------------------------------------ either order, picked
     @cute.jit
-    def work_units(self, num_m_blocks: Int32, heads_batches: Int32) -> Int32:
-        """What a round hands one CTA each of: tiles, or (paired) pairs of every head followed
-        by the odd middle tiles. A one-shot launch has this many CTAs."""
+    def work_units(self, num_m_blocks: Int32, heads_batches: Int32, pairs) -> Int32:
+        """What a round hands one CTA each of: tiles, or pairs of every head followed by the odd
+        middle tiles. A one-shot launch has this many CTAs."""
         units = num_m_blocks * heads_batches
-        if cutlass.const_expr(self.order == "paired"):
+        if pairs:
             units = (num_m_blocks // 2 + num_m_blocks % 2) * heads_batches
         return units
 
     @cute.jit
-    def items_per_cta(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32) -> Int32:
-        items = cute.ceil_div(self.work_units(num_m_blocks, heads_batches), grid)
-        if cutlass.const_expr(self.order == "paired"):
+    def items_per_cta(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, pairs) -> Int32:
+        items = cute.ceil_div(self.work_units(num_m_blocks, heads_batches, pairs), grid)
+        if pairs:
             items = 2 * items
         return items
 
     @cute.jit
-    def tile_of(self, item: Int32, cta: Int32, grid: Int32) -> Int32:
+    def tile_of(self, item: Int32, cta: Int32, grid: Int32, pairs) -> Int32:
         """The tile id of item ``item`` of CTA ``cta`` (may name no tile: see ``valid``)."""
-        tile = Int32(0)
-        if cutlass.const_expr(self.order == "paired"):
+        offset = cta
+        if item % 2 == 1:
+            offset = grid - 1 - cta
+        tile = item * grid + offset  # rounds of grid tiles, alternating direction
+        if pairs:
             tile = ((item // 2) * grid + cta) * 2 + item % 2  # slot * 2 + (0: first, 1: second)
-        else:
-            offset = cta
-            if item % 2 == 1:
-                offset = grid - 1 - cta
-            tile = item * grid + offset
         return tile
 
     @cute.jit
-    def valid(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
+    def valid(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, pairs):
         ok = tile < num_m_blocks * heads_batches
-        if cutlass.const_expr(self.order == "paired"):
+        if pairs:
             slot = tile // 2
             single = slot >= (num_m_blocks // 2) * heads_batches
-            ok = (slot < self.work_units(num_m_blocks, heads_batches)) & ((tile % 2 == 0) | ~single)
+            ok = (slot < self.work_units(num_m_blocks, heads_batches, pairs)) & ((tile % 2 == 0) | ~single)
         return ok
 
     @cute.jit
-    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, order=None):
+    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, pairs, order=None):
         """tile id -> (m_block, head, batch)."""
-        m_block = Int32(0)
-        head_batch = Int32(0)
         heads_batches = num_heads * num_batches
-        if cutlass.const_expr(self.order == "paired"):
-            pairs = num_m_blocks // 2
-            slot = tile // 2
-            if slot < pairs * heads_batches:
-                head_batch = slot // pairs
-                j = slot % pairs
-                m_block = j
-                if tile % 2 == 0:
-                    m_block = num_m_blocks - 1 - j
-            else:
-                head_batch = slot - pairs * heads_batches
-                m_block = pairs  # the middle tile of an odd count
-        elif cutlass.const_expr(self.order == "heavy_first"):
+        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, order)
+        if pairs:
+            m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
+        return m_block, head_batch % num_heads, head_batch // num_heads
+
+    # ------------------------------------------------------------------ the orders
+    @cute.jit
+    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, order):
+        m_block = tile % num_m_blocks
+        head_batch = tile // num_m_blocks
+        if cutlass.const_expr(self.order != "head_major"):  # heavy_first, or paired falling back
             m_block = num_m_blocks - 1 - tile // heads_batches
             if cutlass.const_expr(self.ranked):
                 m_block = order[tile // heads_batches]
             head_batch = tile % heads_batches
-        else:
-            m_block = tile % num_m_blocks
-            head_batch = tile // num_m_blocks
-        return m_block, head_batch % num_heads, head_batch // num_heads
+        return m_block, head_batch
+
+    @cute.jit
+    def _decode_pairs(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
+        pairs = num_m_blocks // 2
+        slot = tile // 2
+        head_batch = slot - pairs * heads_batches
+        m_block = pairs  # the middle tile of an odd count
+        if slot < pairs * heads_batches:
+            head_batch = slot // pairs
+            j = slot % pairs
+            m_block = j
+            if tile % 2 == 0:
+                m_block = num_m_blocks - 1 - j
+        return m_block, head_batch

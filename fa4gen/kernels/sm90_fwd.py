@@ -113,7 +113,9 @@ class HopperAttentionForward(Sm90MainLoop):
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
         self.has_left_mask = window_left is not None or chunk is not None or document
         self.has_right_mask = window_right is not None or prefix_lm or document
-        self.scheduler = TileScheduler(tile_order, ranked=document)
+        # pairs of causal query tiles keep equal work only while a left window cuts no row
+        pair_limit = None if window_left is None else window_left + 1
+        self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -182,7 +184,8 @@ class HopperAttentionForward(Sm90MainLoop):
             sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
-        grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3])
+        pairs = self.scheduler.pairs_now(k.shape[0])
+        grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
         if cutlass.const_expr(self.persistent):
             grid_x = cutlass.min(grid_x, num_ctas)
         lse = None
@@ -252,6 +255,7 @@ class HopperAttentionForward(Sm90MainLoop):
             args=VariantArgs(self.extra_names, extras),
         )
         sizes.heads_batches = sizes.num_heads * sizes.num_batches
+        sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -271,7 +275,7 @@ class HopperAttentionForward(Sm90MainLoop):
     def tile_info(self, tile: Int32, sizes):
         order = sizes.args.m_block_order if cutlass.const_expr(self.scheduler.ranked) else None
         m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches,
-                                                     order)
+                                                     sizes.pairs, order)
         n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                  sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
@@ -299,10 +303,10 @@ class HopperAttentionForward(Sm90MainLoop):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         grid = cute.arch.grid_dim()[0]
-        for item in cutlass.range(self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid),
-                                  unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches):
+        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
+        for item in cutlass.range(items, unroll=1):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
                 kv_state, q_state = self.produce_tile(
                     tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile, kv_state, q_state
                 )
@@ -380,10 +384,10 @@ class HopperAttentionForward(Sm90MainLoop):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
         grid = cute.arch.grid_dim()[0]
-        for item in cutlass.range(self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid),
-                                  unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches):
+        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
+        for item in cutlass.range(items, unroll=1):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
                 q_state, k_state, v_state = self.consume_tile(
                     sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
                 )
