@@ -36,9 +36,12 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
             if d <= 128:
                 out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
             out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
-            if d == 64:
-                out.append(("2wg", spec, base.model_copy(update={
-                    "tile_m": 128, "num_consumer_warpgroups": 2, "producer_regs": 24, "consumer_regs": 240})))
+            if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
+                two = _sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
+                                    producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
+                if not _sm90_fits(two):
+                    two = _sm90_variant(two, "one Q buffer", q_stages=1)
+                out.append(("2wg", spec, two))
     return out
 
 

@@ -68,6 +68,7 @@ class TileRow:
     pingpong: bool
     exp2_poly_period: int
     reason: str
+    p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
 
 
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
@@ -75,7 +76,8 @@ class TileRow:
 SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers"),
-    TileRow(96, 2, 128, 2, True, 0, "d96: 128x128 tiles with ping-pong (P in registers)"),
+    TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
+            "take 112 of 160 registers, so P goes through shared memory", p_in_registers=False),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
@@ -100,13 +102,15 @@ def _round_up(value: int, granule: int) -> int:
 
 
 def sm90_smem_bytes(
-    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool, q_stages: int = 1
+    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool, q_stages: int = 1,
+    p_smem: bool = False,
 ) -> int:
-    """Q tile(s) + K/V ring + (when separate) the O staging buffer."""
+    """Q tile(s) + K/V ring + (when separate) the O staging buffer + (when not in registers) P."""
     q = q_stages * tile_m * dqk
     o = tile_m * dv if separate_o else 0
     kv = stages * tile_n * (dqk + dv)
-    return (q + o + kv) * elem_bytes + SMEM_RESERVE_BYTES
+    p = tile_m * tile_n if p_smem else 0
+    return (q + o + kv + p) * elem_bytes + SMEM_RESERVE_BYTES
 
 
 SM90_PRESSURE_MAX_TILE_N_D256 = 64
@@ -179,20 +183,24 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_order, order_reason = _tile_order(spec)
+    # a row that sends P through smem for its register budget keeps P in registers once the
+    # variant steps back to fewer warpgroups (more registers each)
+    p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     tile_m = WARPGROUP_MMA_M * warpgroups
     elem = 2
     limit = caps.smem_bytes_per_cta
     # dv > d: O cannot be staged over Q's rows, so it always gets its own buffer
     must_separate = dv > dqk
-    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, must_separate) > limit:
+    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, must_separate, 1, not p_regs) > limit:
         if stages > 2:
             stages -= 1
         else:
             tile_n -= MMA_K_GRANULE
         tile_reason = f"{row.reason}; shrunk to fit {limit // 1024} KB of shared memory"
-    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True) <= limit
-    q_stages = 2 if separate_o and sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True, 2) <= limit else 1
-    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o, q_stages)
+    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True, 1, not p_regs) <= limit
+    q_stages = 2 if separate_o and sm90_smem_bytes(
+        tile_m, tile_n, stages, dqk, dv, elem, True, 2, not p_regs) <= limit else 1
+    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o, q_stages, not p_regs)
     regs_total = 128 * (producer_regs + warpgroups * consumer_regs)
     assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
     reasons = {
@@ -210,13 +218,15 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         f"{producer_regs} = {regs_total} <= {caps.registers_per_sm} registers",
         "head_dim_padded": f"wgmma K granule is {MMA_K_GRANULE}; TMA zero-fills the padding",
         "head_dim_v_padded": f"kept to a multiple of {MMA_K_GRANULE}; the store masks padded columns",
-        "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)",
+        "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)"
+        if p_regs else "S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile to shared "
+        "memory for the P.V wgmma",
         "skip_masked_tiles": "causal/window bounds give the key-tile range per query tile; "
         "tiles outside are neither loaded nor computed, and only boundary tiles run mask code"
         if spec.has_mask
         else "no structural mask: every key tile is used; only the ragged last tile is masked",
         "intra_warpgroup_overlap": "softmax of tile n runs while the tensor cores do P.V of tile n+1 "
-        "(S and P live together: fits the 240-register budget at every tile size in the table)",
+        "(S lives beside the previous P and O: fits the register budget at every tile size in the table)",
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
         "overlaps another's MMAs" if row.pingpong else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
@@ -229,7 +239,8 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "exp2_poly_period": exp2_reason,
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4)",
-        "smem_bytes": f"{q_stages} x Q {'+ O ' if separate_o else ''}+ {stages} x (K + V) tiles + barriers, of "
+        "smem_bytes": f"{q_stages} x Q {'+ O ' if separate_o else ''}{'' if p_regs else '+ P '}+ {stages} x (K + V) "
+        "tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
     }
     return Plan(
@@ -244,7 +255,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         consumer_regs=consumer_regs,
         head_dim_padded=dqk,
         head_dim_v_padded=dv,
-        p_in_registers=True,
+        p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask,
         intra_warpgroup_overlap=True,
         pingpong=row.pingpong,
@@ -276,13 +287,13 @@ REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state
 def plan_smem_bytes(p: Plan) -> int:
     """The shared memory a plan's buffers take."""
     return sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
-                           p.separate_o_smem, p.q_stages)
+                           p.separate_o_smem, p.q_stages, not p.p_in_registers)
 
 
 def _sm90_fits(p: Plan) -> bool:
     """Shared memory and a register estimate (S fp32 + P 16-bit + O fp32 per thread) fit."""
     smem = plan_smem_bytes(p)
-    fragments = p.tile_n // 2 + p.tile_n // 4 + p.head_dim_v_padded // 2
+    fragments = p.tile_n // 2 + (p.tile_n // 4 if p.p_in_registers else 0) + p.head_dim_v_padded // 2
     o_over_q_ok = p.separate_o_smem or (p.head_dim_v_padded <= p.head_dim_padded and p.q_stages == 1)
     return (smem <= Arch.SM90A.caps.smem_bytes_per_cta and fragments + REGISTER_HEADROOM <= p.consumer_regs
             and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)

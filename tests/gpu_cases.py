@@ -111,13 +111,14 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
     from fa4gen.arch import Arch
-    from fa4gen.planner import SM90_REGISTER_SPLIT, plan_smem_bytes
+    from fa4gen.planner import SM90_REGISTER_SPLIT, _sm90_fits
 
     cases = {}
     for name, spec in {
         "d128-causal": AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True),
         "d64-window": AttentionSpec(head_dim=64, window_left=200, window_right=30, return_lse=True),
         "d256-softcap": AttentionSpec(head_dim=256, softcap=30.0, return_lse=True),
+        "d96": AttentionSpec(head_dim=96, return_lse=True),
     }.items():
         base = fa4gen.plan(spec, "sm_90a")
         other_wgs = 5 - base.num_consumer_warpgroups  # 2 <-> 3
@@ -129,6 +130,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},
             "o-staging": {"separate_o_smem": not base.separate_o_smem, "q_stages": 1},
             "q-stages": {"q_stages": 3 - base.q_stages},
+            "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
@@ -136,9 +138,6 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
         }
         for flip, update in flips.items():
             p = base.model_copy(update=update)
-            fits = plan_smem_bytes(p) <= Arch.SM90A.caps.smem_bytes_per_cta
-            fits = fits and (p.separate_o_smem or p.q_stages == 1)  # O over Q needs one Q buffer
-            registers_fit = p.num_consumer_warpgroups == 2 or p.head_dim_v_padded <= 64
-            if fits and registers_fit:
+            if _sm90_fits(p):  # shared memory, O staging and a register estimate
                 cases[f"{name}/{flip}"] = (spec, p)
     return cases

@@ -40,7 +40,8 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     assert p.head_dim_padded - spec.head_dim < MMA_K_GRANULE  # padded to the next granule only
     assert p.head_dim_v_padded - spec.dv < MMA_K_GRANULE
     expected_smem = sm90_smem_bytes(
-        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem, p.q_stages
+        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem, p.q_stages,
+        not p.p_in_registers,
     )
     assert p.smem_bytes == expected_smem
     assert p.q_stages in (1, 2) and (p.separate_o_smem or p.q_stages == 1)
@@ -63,15 +64,21 @@ def test_plan_table(head_dim, head_dim_v):
     p = plan(spec, "sm_90a")
     check_plan_invariants(spec, p)
     assert p.tile_m == 64 * p.num_consumer_warpgroups
-    assert p.num_consumer_warpgroups == (3 if max(p.head_dim_padded, p.head_dim_v_padded) <= 64 else 2)
+    widest = max(p.head_dim_padded, p.head_dim_v_padded)
+    assert p.num_consumer_warpgroups == (3 if widest <= 96 else 2)
+    # at 3 warpgroups (160 registers) P leaves the registers once O is wider than 64
+    assert p.p_in_registers == (widest <= 64 or p.num_consumer_warpgroups == 2)
     assert p.tile_n % 16 == 0 and p.tile_n <= 256
     assert p.kv_stages >= 2
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
     # O gets its own buffer whenever it fits, and always when it cannot sit over Q (dv > d)
-    with_o = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True)
+    p_smem = not p.p_in_registers
+    with_o = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 1,
+                             p_smem)
     assert p.separate_o_smem == (with_o <= SMEM_LIMIT or p.head_dim_v_padded > p.head_dim_padded)
     # a second Q buffer whenever it fits beside a separate O
-    two_q = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 2)
+    two_q = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 2,
+                            p_smem)
     assert (p.q_stages == 2) == (p.separate_o_smem and two_q <= SMEM_LIMIT)
     for name in PLAN_FIELDS:
         assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"

@@ -88,6 +88,7 @@ class HopperAttentionForward(Sm90MainLoop):
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
         q_stages: int = 1,
+        p_in_registers: bool = True,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -96,6 +97,9 @@ class HopperAttentionForward(Sm90MainLoop):
         self.qhead_per_kvhead = qhead_per_kvhead
         self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
         self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
+        # P feeds P.V from registers, or (when S, P and O together would not fit the register
+        # budget) through a shared-memory tile per consumer warpgroup
+        self.p_in_registers = p_in_registers
         self.num_consumers = num_consumer_warpgroups
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
         self.score_mod = score_mod
@@ -153,6 +157,8 @@ class HopperAttentionForward(Sm90MainLoop):
             LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W * self.q_stages
         )
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dv), dtype, W)
+        # P as the A operand of P.V: (64 rows, tile_n keys) per consumer warpgroup
+        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.dv, self.tile_n), dtype, W)
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, self.kv_stages
         )
@@ -172,6 +178,7 @@ class HopperAttentionForward(Sm90MainLoop):
         self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
         self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
         o_elems = 0 if self.o_over_q else cute.cosize(sO_layout)
+        p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
 
         @cute.struct
         class SharedStorage:
@@ -182,6 +189,7 @@ class HopperAttentionForward(Sm90MainLoop):
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], SMEM_ALIGN]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, p_elems], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
         pairs = self.scheduler.pairs_now(k.shape[0])
@@ -193,7 +201,7 @@ class HopperAttentionForward(Sm90MainLoop):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
         self.kernel(
             tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse,
-            sQ_layout, sK_layout, sV_layout, sO_layout, extras,
+            sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras,
         ).launch(
             grid=(grid_x, 1, 1),
             block=[self.threads, 1, 1],
@@ -213,7 +221,7 @@ class HopperAttentionForward(Sm90MainLoop):
     def _make_pv_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
         mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (64, self.dv),
-            warpgroup.OperandSource.RMEM,
+            warpgroup.OperandSource.RMEM if self.p_in_registers else warpgroup.OperandSource.SMEM,
         )
         if accumulate is not None:
             mma.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -233,7 +241,7 @@ class HopperAttentionForward(Sm90MainLoop):
     @cute.kernel
     def kernel(
         self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
-        sQ_layout, sK_layout, sV_layout, sO_layout, extras: tuple,
+        sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -263,13 +271,22 @@ class HopperAttentionForward(Sm90MainLoop):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = warpgroup_idx - 1
-            sO_stage = cute.slice_(sO_layout, (None, None, 0))
-            if cutlass.const_expr(self.o_over_q):
-                o_ptr = cute.recast_ptr(sQ.iterator + wg * self.q_stage_elems, sO_stage.inner, self.dtype)
-            else:
-                o_ptr = cute.recast_ptr(storage.sO.data_ptr() + wg * cute.cosize(sO_stage), sO_stage.inner, self.dtype)
-            sO = cute.make_tensor(o_ptr, sO_stage.outer)
-            self.consume(sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
+            sO, sP = self.warpgroup_buffers(storage, sQ, sO_layout, sP_layout, wg)
+            self.consume(sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
+
+    @cute.jit
+    def warpgroup_buffers(self, storage, sQ, sO_layout, sP_layout, wg: Int32):
+        """This consumer warpgroup's O staging tile (its own, or over its Q rows) and P tile
+        (None when P stays in registers)."""
+        sO_stage = cute.slice_(sO_layout, (None, None, 0))
+        if cutlass.const_expr(self.o_over_q):
+            o_ptr = cute.recast_ptr(sQ.iterator + wg * self.q_stage_elems, sO_stage.inner, self.dtype)
+        else:
+            o_ptr = cute.recast_ptr(storage.sO.data_ptr() + wg * cute.cosize(sO_stage), sO_stage.inner, self.dtype)
+        sP = None
+        if cutlass.const_expr(not self.p_in_registers):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
+        return cute.make_tensor(o_ptr, sO_stage.outer), sP
 
     @cute.jit
     def tile_info(self, tile: Int32, sizes):
@@ -351,7 +368,7 @@ class HopperAttentionForward(Sm90MainLoop):
         return kv_state, q_state
 
     @cute.jit
-    def make_loop_state(self, sQ, sK, sV, pipes, wg: Int32, wtidx: Int32, sizes) -> MainLoopState:
+    def make_loop_state(self, sQ, sK, sV, sP, pipes, wg: Int32, wtidx: Int32, sizes) -> MainLoopState:
         """Fragments and MMAs of one consumer warpgroup (built inside the tile loop: a Python
         holder cannot be carried by a staged loop, and the partitions cost nothing at run time)."""
         _, pipe_k, pipe_v = pipes
@@ -360,6 +377,17 @@ class HopperAttentionForward(Sm90MainLoop):
         row_max, row_sum = self.softmax.make_state()
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
         acc_o.fill(0.0)
+        p_store = None  # P through smem: (16-bit P in the S layout, stmatrix copy, its smem targets)
+        if cutlass.const_expr(self.p_in_registers):
+            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
+        else:
+            p = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+            stmatrix = cute.make_tiled_copy_C(
+                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), qk_mma
+            )
+            thr_store = stmatrix.get_slice(wtidx)
+            p_low = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, self.tile_n)), self.dtype)
+            p_store = (p_low, stmatrix, thr_store.retile(p_low), thr_store.partition_D(sP))
         # ACCUMULATE is fixed per MMA object, never set inside a loop (that would leak a
         # loop-local value): one object zero-fills S, the other accumulates.
         return MainLoopState(
@@ -369,13 +397,13 @@ class HopperAttentionForward(Sm90MainLoop):
             tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
             tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV)),
             coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
-            p=cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype),
+            p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
             seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg,
         )
 
     @cute.jit
-    def consume(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
+    def consume(self, sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
         """One consumer warpgroup: every tile of this CTA, main loop then epilogue."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -389,17 +417,17 @@ class HopperAttentionForward(Sm90MainLoop):
             tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
             if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
                 q_state, k_state, v_state = self.consume_tile(
-                    sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
+                    sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
                 )
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store reads shared memory
 
     @cute.jit
-    def consume_tile(self, sQ, sK, sV, sO, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
+    def consume_tile(self, sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
                      tile: Int32, q_state, k_state, v_state):
         pipe_q = pipes[0]
-        loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, pipes, wg,
-                                    wtidx, sizes)
+        loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, sP, pipes,
+                                    wg, wtidx, sizes)
         t = self.tile_info(tile, sizes)
         t.row_base = t.m_block * self.tile_m + wg * 64
         loop.row_start, loop.row_end = self.key_tiles.row_ranges(

@@ -20,10 +20,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4gen.kernels.layout import rows_cols_view, store_as_operand_a
+from fa4gen.kernels.layout import convert_into, rows_cols_view, store_as_operand_a
 
 WARPGROUP_THREADS = 128
 TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
+P_BARRIER_BASE = 12  # named barriers 12..12+W-1: a warpgroup's P tile is written (P through smem)
 
 
 class MainLoopState:
@@ -38,7 +39,7 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
+    pingpong, p_in_registers, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
     softmax and key_block()."""
 
     @cute.jit
@@ -143,6 +144,21 @@ class Sm90MainLoop:
                                         loop.seqlen_k, loop.args)
                 scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
 
+    @cute.jit
+    def store_p(self, loop, acc_s: cute.Tensor):
+        """The probabilities become the A operand of the next P.V: rounded in registers, or
+        written to this warpgroup's P tile in shared memory (the P.V that read the previous P
+        has completed: every caller waited for it), made visible to the tensor cores, and the
+        whole warpgroup waits until all of it is written."""
+        if cutlass.const_expr(self.p_in_registers):
+            store_as_operand_a(acc_s, loop.p)
+        else:
+            p_low, stmatrix, source, target = loop.p_store
+            convert_into(acc_s, p_low)
+            cute.copy(stmatrix, source, target)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=P_BARRIER_BASE + loop.warpgroup, number_of_threads=WARPGROUP_THREADS)
+
     # ------------------------------------------------------------------ one key tile
     @cute.jit
     def serial_tile(self, loop, tile, n_block: Int32, k_state, masked):
@@ -154,7 +170,7 @@ class Sm90MainLoop:
         loop.pipe_k.consumer_release(k_state)
         correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
         self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
-        store_as_operand_a(acc_s, loop.p)
+        self.store_p(loop, acc_s)
         loop.pipe_v.consumer_wait(k_state)
         warpgroup.fence()
         self.issue_pv(loop, k_state.index)
@@ -175,7 +191,7 @@ class Sm90MainLoop:
         warpgroup.wait_group(0)
         loop.pipe_k.consumer_release(k_state)
         self.scores_to_probs(loop, tile, acc_s, n_block, True)  # O is still zero: no correction
-        store_as_operand_a(acc_s, loop.p)
+        self.store_p(loop, acc_s)
         k_state.advance()
         return k_state
 
@@ -197,7 +213,7 @@ class Sm90MainLoop:
         warpgroup.wait_group(0)
         loop.pipe_v.consumer_release(v_state)
         self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
-        store_as_operand_a(acc_s, loop.p)
+        self.store_p(loop, acc_s)
         k_state.advance()
         v_state.advance()
         return k_state, v_state

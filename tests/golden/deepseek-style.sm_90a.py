@@ -22,7 +22,7 @@
 #     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
-#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
+#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
 #     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
@@ -58,6 +58,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_n=128,
         kv_stages=2,
         q_stages=1,
+        p_in_registers=True,
         num_consumer_warpgroups=2,
         producer_regs=24,
         consumer_regs=240,

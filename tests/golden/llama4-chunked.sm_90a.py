@@ -24,7 +24,7 @@
 #     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
-#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S and P live together: fits the 240-register budget at every tile size in the table)
+#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA
@@ -60,6 +60,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_n=128,
         kv_stages=2,
         q_stages=2,
+        p_in_registers=True,
         num_consumer_warpgroups=2,
         producer_regs=24,
         consumer_regs=240,
