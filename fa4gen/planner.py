@@ -159,7 +159,8 @@ def _sm90_register_fit(spec: AttentionSpec, row: TileRow, head_dim: int) -> tupl
 
 def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
     """How query tiles are handed to CTAs (fa4gen.kernels.scheduler), and why."""
-    if spec.right_bound == 0 and spec.mask_kind is None:
+    wide_window = spec.left_bound is not None and max(spec.head_dim, spec.dv) > 192
+    if spec.right_bound == 0 and spec.mask_kind is None and not wide_window:
         window = "" if spec.left_bound is None else (
             f"; with the {spec.left_bound}-key window only while it cuts no row (Sk <= {spec.left_bound + 1}, "
             "checked at run time), heaviest first otherwise")
@@ -168,8 +169,12 @@ def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
                           f"is read from HBM about once (heaviest-first over all heads re-read it per tile){window}")
     if spec.left_bound is not None or spec.right_bound is not None or spec.mask_kind in {
             "chunked", "prefix_lm", "document"}:
-        return "heavy_first", ("work per query tile differs: the heaviest tiles start first, in a snake order "
-                               "that pairs heavy and light tiles per CTA")
+        why = ("work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy "
+               "and light tiles per CTA")
+        if wide_window and spec.right_bound == 0:
+            why += ("; a causal window at d > 192 does not choose pairs at run time (the choice costs registers "
+                    "that its 64-key tiles do not have: SASS spilled)")
+        return "heavy_first", why
     return "head_major", "equal work per query tile: the CTAs running together share one head's K/V in L2"
 
 

@@ -27,7 +27,7 @@
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
 #     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
-#     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile); with the 4096-key window only while it cuts no row (Sk <= 4097, checked at run time), heaviest first otherwise
+#     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA; a causal window at d > 192 does not choose pairs at run time (the choice costs registers that its 64-key tiles do not have: SASS spilled)
 #     separate_o_smem            False      no room for an O buffer: O is staged over each warpgroup's own Q rows
 #     exp2_poly_period           0          d <= 256: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
@@ -88,7 +88,7 @@ def make_kernel() -> HopperAttentionForward:
         intra_warpgroup_overlap=True,
         pingpong=False,
         persistent=True,
-        tile_order="paired",
+        tile_order="heavy_first",
         separate_o_smem=False,
         exp2_poly_period=0,
         rescale_threshold=8.0,
