@@ -178,13 +178,30 @@ def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
     return "head_major", "equal work per query tile: the CTAs running together share one head's K/V in L2"
 
 
+def _sm90_fit_smem(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, p_regs: bool):
+    """Shrink the K/V ring (then the key tile) until Q, K/V and (if not in registers) P fit; then
+    give O its own buffer and Q a second one where they fit. Returns (tile_n, stages,
+    separate_o, q_stages, shrunk)."""
+    limit = Arch.SM90A.caps.smem_bytes_per_cta
+    p_smem = not p_regs
+    must_separate = dv > dqk  # O cannot be staged over Q's rows, so it always gets its own buffer
+    shrunk = False
+    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, must_separate, 1, p_smem) > limit:
+        if stages > 2:
+            stages -= 1
+        else:
+            tile_n -= MMA_K_GRANULE
+        shrunk = True
+    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, True, 1, p_smem) <= limit
+    two_q = separate_o and sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, True, 2, p_smem) <= limit
+    return tile_n, stages, separate_o, 2 if two_q else 1, shrunk
+
+
 def _plan_sm90(spec: AttentionSpec) -> Plan:
-    caps = Arch.SM90A.caps
     dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
     dv = _round_up(spec.dv, MMA_K_GRANULE)
     row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
     warpgroups, warpgroup_reason, tile_n, tile_reason = _sm90_register_fit(spec, row, max(dqk, dv))
-    stages = row.kv_stages
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_order, order_reason = _tile_order(spec)
@@ -192,40 +209,44 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     tile_m = WARPGROUP_MMA_M * warpgroups
-    elem = 2
-    limit = caps.smem_bytes_per_cta
-    # dv > d: O cannot be staged over Q's rows, so it always gets its own buffer
-    must_separate = dv > dqk
-    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, must_separate, 1, not p_regs) > limit:
-        if stages > 2:
-            stages -= 1
-        else:
-            tile_n -= MMA_K_GRANULE
-        tile_reason = f"{row.reason}; shrunk to fit {limit // 1024} KB of shared memory"
-    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, True, 1, not p_regs) <= limit
-    q_stages = 2 if separate_o and sm90_smem_bytes(
-        tile_m, tile_n, stages, dqk, dv, elem, True, 2, not p_regs) <= limit else 1
-    smem = sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, elem, separate_o, q_stages, not p_regs)
-    regs_total = 128 * (producer_regs + warpgroups * consumer_regs)
-    assert regs_total <= caps.registers_per_sm, "register split exceeds the register file"
-    reasons = {
+    tile_n, stages, separate_o, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
+    if shrunk:
+        tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
+    assert 128 * (producer_regs + warpgroups * consumer_regs) <= Arch.SM90A.caps.registers_per_sm
+    fields = dict(
+        arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
+        q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
+        consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
+        skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True, pingpong=row.pingpong, persistent=True,
+        tile_order=tile_order, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
+        rescale_threshold=RESCALE_THRESHOLD_LOG2,
+        smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
+    )
+    why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
+           "tile_order": order_reason,
+           "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
+    return Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
+
+
+def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
+    """The reason for each sm_90a plan field that follows from the others."""
+    caps = Arch.SM90A.caps
+    regs_total = 128 * (f["producer_regs"] + f["num_consumer_warpgroups"] * f["consumer_regs"])
+    return {
         "arch": f"target {Arch.SM90A.value}: {caps.note}",
         "kernel": "warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups",
-        "tile_m": f"{warpgroups} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
-        "tile_n": tile_reason,
-        "kv_stages": tile_reason,
+        "tile_m": f"{f['num_consumer_warpgroups']} consumer warpgroups x {WARPGROUP_MMA_M} rows each",
         "q_stages": "a second Q buffer fits: the next tile's Q loads while this one computes (no wait "
-        "for Q between tiles)" if q_stages == 2 else
+        "for Q between tiles)" if f["q_stages"] == 2 else
         "one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done",
-        "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}",
         "producer_regs": "the producer only issues TMA: give its registers to the consumers",
-        "consumer_regs": f"{warpgroups}x128 threads x {consumer_regs} + 128 x "
-        f"{producer_regs} = {regs_total} <= {caps.registers_per_sm} registers",
+        "consumer_regs": f"{f['num_consumer_warpgroups']}x128 threads x {f['consumer_regs']} + 128 x "
+        f"{f['producer_regs']} = {regs_total} <= {caps.registers_per_sm} registers",
         "head_dim_padded": f"wgmma K granule is {MMA_K_GRANULE}; TMA zero-fills the padding",
         "head_dim_v_padded": f"kept to a multiple of {MMA_K_GRANULE}; the store masks padded columns",
         "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)"
-        if p_regs else "S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile to shared "
-        "memory for the P.V wgmma",
+        if f["p_in_registers"] else "S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile "
+        "to shared memory (stmatrix) for the P.V wgmma",
         "skip_masked_tiles": "causal/window bounds give the key-tile range per query tile; "
         "tiles outside are neither loaded nor computed, and only boundary tiles run mask code"
         if spec.has_mask
@@ -233,45 +254,19 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         "intra_warpgroup_overlap": "softmax of tile n runs while the tensor cores do P.V of tile n+1 "
         "(S lives beside the previous P and O: fits the register budget at every tile size in the table)",
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
-        "overlaps another's MMAs" if row.pingpong else
+        "overlaps another's MMAs" if f["pingpong"] else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one",
-        "tile_order": order_reason,
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
-        "next tile's Q loads during this tile's epilogue" if separate_o else
+        "next tile's Q loads during this tile's epilogue" if f["separate_o_smem"] else
         "no room for an O buffer: O is staged over each warpgroup's own Q rows",
-        "exp2_poly_period": exp2_reason,
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4)",
-        "smem_bytes": f"{q_stages} x Q {'+ O ' if separate_o else ''}{'' if p_regs else '+ P '}+ {stages} x (K + V) "
-        "tiles + barriers, of "
+        "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['separate_o_smem'] else ''}"
+        f"{'' if f['p_in_registers'] else '+ P '}+ {f['kv_stages']} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
     }
-    return Plan(
-        arch=Arch.SM90A.value,
-        kernel="HopperAttentionForward",
-        tile_m=tile_m,
-        tile_n=tile_n,
-        kv_stages=stages,
-        q_stages=q_stages,
-        num_consumer_warpgroups=warpgroups,
-        producer_regs=producer_regs,
-        consumer_regs=consumer_regs,
-        head_dim_padded=dqk,
-        head_dim_v_padded=dv,
-        p_in_registers=p_regs,
-        skip_masked_tiles=spec.has_mask,
-        intra_warpgroup_overlap=True,
-        pingpong=row.pingpong,
-        persistent=True,
-        tile_order=tile_order,
-        separate_o_smem=separate_o,
-        exp2_poly_period=exp2_period,
-        rescale_threshold=RESCALE_THRESHOLD_LOG2,
-        smem_bytes=smem,
-        reasons=reasons,
-    )
 
 
 _PLANNERS = {Arch.SM90A: _plan_sm90}

@@ -19,7 +19,7 @@
 #     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers
 #     head_dim_padded            96         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          96         kept to a multiple of 16; the store masks padded columns
-#     p_in_registers             False      S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile to shared memory for the P.V wgmma
+#     p_in_registers             False      S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile to shared memory (stmatrix) for the P.V wgmma
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
