@@ -151,8 +151,9 @@ OPTION_CASES = plan_option_cases()
 @pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17)], ids=lambda s: "b{}-sq{}-sk{}".format(*s))
 @pytest.mark.parametrize("name", sorted(OPTION_CASES))
 def test_plan_option_paths(name, shape):
-    """Every plan option away from its default (serial schedule, ping-pong, persistence, O
-    staging, warpgroup count) still matches the reference."""
+    """Every plan option away from its default (serial schedule, ping-pong, persistence, tile
+    order, O staging, Q buffers, P staging, warpgroup count, exp2 split, rescale threshold)
+    still matches the reference."""
     import torch
 
     spec, kernel_plan = OPTION_CASES[name]
