@@ -82,6 +82,16 @@ class KeyTileRange:
         return n_min, split_lo, split_hi, n_max
 
     @cute.jit
+    def rows_tile_end(self, first_row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args) -> Int32:
+        """One past the highest key tile that rows first_row .. first_row+63 (the rows of one
+        warpgroup, those below Sq) can see; 0 when none of them is below Sq."""
+        end = Int32(0)
+        if first_row < seqlen_q:
+            _, last_end = self.row_range(cutlass.min(first_row + 63, seqlen_q - 1), batch, seqlen_q, seqlen_k, args)
+            end = cute.ceil_div(cutlass.max(last_end, 0), self.tile_n)
+        return end
+
+    @cute.jit
     def row_ranges(self, coords_mn: cute.Tensor, row_base: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
                    args):
         """The visible interval of each of this thread's rows, once per query tile."""

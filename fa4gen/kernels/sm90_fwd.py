@@ -107,6 +107,10 @@ class HopperAttentionForward(Sm90MainLoop):
         # an expression mask comes with a block mask (built on the GPU by fa4gen.blockmask):
         # per query tile, the list of non-empty key tiles and whether each is full
         self.block_sparse = mask_mod is not None
+        # with 3 warpgroups a warpgroup's rows often see fewer key tiles than the CTA's 192 rows
+        # (diagonal, rows past Sq): it passes those by (its per-tile count costs registers that
+        # 2-warpgroup kernels at d256 do not have, and there it would rarely skip anything)
+        self.skips_masked_tiles = num_consumer_warpgroups > 2 and mask_mod is None
         self.sinks = sinks
         self.extra_names = tuple(extra_names)
         self.return_lse = return_lse
@@ -435,6 +439,11 @@ class HopperAttentionForward(Sm90MainLoop):
         )
         loop.args = sizes.args
         loop.batch, loop.head = t.batch, t.head
+        # the highest key tiles may be masked for every row of this warpgroup (the diagonal of a
+        # 192-row tile, rows past Sq): the main loop passes them by without MMAs
+        if cutlass.const_expr(self.skips_masked_tiles):
+            end = self.key_tiles.rows_tile_end(t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args)
+            t.skip = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
         pipe_q.consumer_wait(q_state)
         if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)

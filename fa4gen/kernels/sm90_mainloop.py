@@ -10,7 +10,9 @@ warpgroup's softmax fills the time another's MMAs hold the tensor cores.
 Key tiles run from the highest down (or in a block mask's list order): the first tile always
 runs the mask (it may hold the diagonal or the ragged end of Sk); after it, a run-time flag per
 tile says whether it crosses a mask bound (see masking.py) or, with a block mask, whether the
-tile is partial, so interior and full tiles skip the mask code.
+tile is partial, so interior and full tiles skip the mask code. The highest tiles of a query
+tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
+Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
 
 from __future__ import annotations
@@ -39,28 +41,61 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, p_in_registers, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
+    pingpong, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
     softmax and key_block()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
-        """All key tiles of one query tile (``tile.n_count`` of them, in key_block order);
-        returns the advanced K and V pipeline states."""
-        first = self.key_block(tile, 0, loop.args)
+        """All key tiles of one query tile (``tile.n_count`` of them, in key_block order), of
+        which the first ``tile.skip`` may be masked for all of this warpgroup's rows (only with
+        3 warpgroups, where a 192-row tile's diagonal makes that common); returns the advanced K
+        and V pipeline states."""
+        if cutlass.const_expr(self.skips_masked_tiles):
+            for _ in cutlass.range(tile.skip, unroll=1):
+                k_state, v_state = self.skip_tile(loop, k_state, v_state)
+            if tile.skip < tile.n_count:
+                k_state, v_state = self.visible_tiles(loop, tile, tile.skip, k_state, v_state)
+            else:
+                # nothing visible: the turn of the P.V product that never comes still passes
+                self.wait_turn(loop.warpgroup)
+                self.pass_turn(loop.warpgroup)
+        else:
+            k_state, v_state = self.visible_tiles(loop, tile, 0, k_state, v_state)
+        return k_state, v_state
+
+    @cute.jit
+    def visible_tiles(self, loop, tile, start, k_state, v_state):
+        """Visited key tiles start .. n_count-1 (start: 0, or the warpgroup's skipped count)."""
+        first = self.key_block(tile, start, loop.args)
         if cutlass.const_expr(self.overlap):
             k_state = self.first_tile(loop, tile, first, k_state)
-            for i in cutlass.range(tile.n_count - 1, unroll=1):
-                n_block = self.key_block(tile, i + 1, loop.args)
+            for i in cutlass.range(start + 1, tile.n_count, unroll=1):
+                n_block = self.key_block(tile, i, loop.args)
                 k_state, v_state = self.overlapped_tile(
-                    loop, tile, n_block, k_state, v_state, self.needs_mask(loop, tile, i + 1, n_block)
+                    loop, tile, n_block, k_state, v_state, self.needs_mask(loop, tile, i, n_block)
                 )
             v_state = self.pv_product(loop, v_state)
         else:
             k_state = self.serial_tile(loop, tile, first, k_state, True)
-            for i in cutlass.range(tile.n_count - 1, unroll=1):
-                n_block = self.key_block(tile, i + 1, loop.args)
-                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(loop, tile, i + 1, n_block))
+            for i in cutlass.range(start + 1, tile.n_count, unroll=1):
+                n_block = self.key_block(tile, i, loop.args)
+                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(loop, tile, i, n_block))
             v_state = k_state.clone()
+        return k_state, v_state
+
+    @cute.jit
+    def skip_tile(self, loop, k_state, v_state):
+        """A key tile masked for every row of this warpgroup: its K and V stages are waited for
+        (never released before the producer filled them) and released untouched; with ping-pong
+        the warpgroup still takes and passes its turn, so the turn ring stays in step."""
+        loop.pipe_k.consumer_wait(k_state)
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop.warpgroup)
+        self.pass_turn(loop.warpgroup)
+        loop.pipe_k.consumer_release(k_state)
+        loop.pipe_v.consumer_release(v_state)
+        k_state.advance()
+        v_state.advance()
         return k_state, v_state
 
     @cute.jit
