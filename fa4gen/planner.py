@@ -331,9 +331,11 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         flips.append((f"tile_n {base.tile_n + step}", {"tile_n": base.tile_n + step}))
     other = 5 - base.num_consumer_warpgroups  # 2 <-> 3 consumer warpgroups
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other]
+    # as in the planner: P leaves the registers only for the 160 of 3 warpgroups
     flips.append((f"{other} consumer warpgroups", {"num_consumer_warpgroups": other, "tile_m": 64 * other,
                                                     "producer_regs": producer_regs,
-                                                    "consumer_regs": consumer_regs}))
+                                                    "consumer_regs": consumer_regs,
+                                                    "p_in_registers": base.p_in_registers or other == 2}))
     for why, update in filter(None, flips):
         variant = _sm90_variant(base, why, **update)
         if _sm90_fits(variant) and all(_schedule(variant) != _schedule(p) for p in found):

@@ -110,7 +110,6 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.arch import Arch
     from fa4gen.planner import SM90_REGISTER_SPLIT, _sm90_fits
 
     cases = {}
