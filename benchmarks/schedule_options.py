@@ -12,35 +12,40 @@ import sys
 
 import fa4gen
 from fa4gen import bench
+from fa4gen.arch import Arch
 
 SEQLENS = (4096, 16384, 1024)
 
 
 def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     out = []
-    from fa4gen.planner import _sm90_fits, _sm90_variant
+    from fa4gen.planner import sm90_fits, sm90_variant
 
-    for d in (64, 96, 128, 256):
+    for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)):
         for causal in (False, True):
-            spec = fa4gen.AttentionSpec(head_dim=d, causal=causal)
+            spec = fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
             base = fa4gen.plan(spec)
             out.append(("default", spec, base))
             out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
-            wider = _sm90_variant(base, "32 more keys per tile", tile_n=base.tile_n + 32)
-            if _sm90_fits(wider):
+            wider = sm90_variant(base, "32 more keys per tile", tile_n=base.tile_n + 32)
+            if sm90_fits(wider):
                 out.append(("tile_n+32", spec, wider))
             if base.q_stages == 2:
                 out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
             if base.tile_order == "paired":
-                out.append(("heavy-first", spec, base.model_copy(update={"tile_order": "heavy_first"})))
+                heavy = base.model_copy(update={"tile_order": "heavy_first"})
+                out.append(("heavy-first", spec, heavy))  # over all heads at once
+                groups = heavy.model_copy(update={"l2_group_bytes": Arch.SM90A.caps.l2_bytes})
+                out.append(("heavy-groups", spec, groups))  # heads in L2-sized groups
+                out.append(("groups-one-shot", spec, groups.model_copy(update={"persistent": False})))
             if d <= 128:
                 out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
             out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
             if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
-                two = _sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
+                two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
                                     producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
-                if not _sm90_fits(two):
-                    two = _sm90_variant(two, "one Q buffer", q_stages=1)
+                if not sm90_fits(two):
+                    two = sm90_variant(two, "one Q buffer", q_stages=1)
                 out.append(("2wg", spec, two))
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,8 @@ from fa4gen import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, plan
-from fa4gen.runtime import AttentionKernel, load_function
+from fa4gen.planner import Plan, plan, short_sequence_plan
+from fa4gen.runtime import AttentionKernel, ShortKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
 
@@ -33,6 +33,13 @@ class BuildResult:
     key: str
     entry: CacheEntry
     built_now: bool
+    # the planner's second plan for short query sequences, built beside the default plan
+    short: BuildResult | None = None
+    short_max_seqlen_q: int = 0
+
+    @property
+    def any_built_now(self) -> bool:
+        return self.built_now or (self.short is not None and self.short.built_now)
 
 
 def cache_key_parts(spec: AttentionSpec, kernel_plan: Plan, arch: Arch) -> dict[str, Any]:
@@ -67,15 +74,23 @@ def build(
     cache: KernelCache | None = None,
     kernel_plan: Plan | None = None,
 ) -> BuildResult:
-    """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there.
+    """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there: the
+    planner's plan and, where the planner has one, its plan for short query sequences
+    (``BuildResult.short``), since ``fa4gen.compile`` runs either per call.
 
-    ``kernel_plan`` replaces the planner's default (tuning compares candidate plans)."""
+    ``kernel_plan`` replaces the planner's default and builds only that plan (tuning compares
+    candidate plans)."""
     target = require_supported(arch)
-    if kernel_plan is None:
-        kernel_plan = plan(spec, target)
-    elif kernel_plan.arch != target.value:
-        raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
     cache = cache or KernelCache(cache_dir)
+    if kernel_plan is None:
+        main = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=plan(spec, target))
+        split = short_sequence_plan(spec, target)
+        if split is None:
+            return main
+        short = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=split.plan)
+        return replace(main, short=short, short_max_seqlen_q=split.max_seqlen_q)
+    if kernel_plan.arch != target.value:
+        raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
     key = make_key(cache_key_parts(spec, kernel_plan, target))
     meta = {
         "spec": spec.canonical(),
@@ -108,7 +123,7 @@ def _tuned_for_this_device(spec: AttentionSpec, target: Arch, cache: KernelCache
     return None if device is None else tuning.tuned_plan(cache.root, spec, target, device)
 
 
-_loaded: dict[tuple[str, str], AttentionKernel] = {}
+_loaded: dict[tuple[str, str | None, str], AttentionKernel] = {}
 _caches: dict[str, KernelCache] = {}
 _loaded_lock = threading.Lock()
 
@@ -133,22 +148,39 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     """A callable for ``spec`` on the current GPU: ``o = fa4gen.compile(spec)(q, k, v)``.
 
     Compiles on first use and caches on disk (``FA4GEN_CACHE_DIR``); later processes load the
-    artifact in milliseconds. The plan is ``kernel_plan`` if given, else the one ``fa4gen tune``
-    recorded for this spec on a GPU of this name, else the planner's. With ``no_compile`` (or ``FA4GEN_NO_COMPILE=1``) a cache miss raises
-    ``fa4gen.CacheMiss`` instead of compiling.
+    artifact in milliseconds. The plan is ``kernel_plan`` if given (then it runs every call), else
+    the one ``fa4gen tune`` recorded for this spec on a GPU of this name, else the planner's; in
+    the last two cases calls whose query sequences are short run the planner's short-sequence
+    plan where it has one (``planner.short_sequence_plan``). With ``no_compile`` (or
+    ``FA4GEN_NO_COMPILE=1``) a cache miss raises ``fa4gen.CacheMiss`` instead of compiling.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = _process_cache(cache_dir)
+    explicit = kernel_plan is not None
     if kernel_plan is None:
         kernel_plan = _tuned_for_this_device(spec, target, cache)
     result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
-    memo_key = (result.key, str(cache.root))
+    short = None
+    if not explicit and result.short is None:  # a tuned plan: the short plan still applies
+        split = short_sequence_plan(spec, target)
+        if split is not None:
+            short_result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=split.plan)
+            result = replace(result, short=short_result, short_max_seqlen_q=split.max_seqlen_q)
+    if result.short is not None:
+        short = ShortKernel(result.short_max_seqlen_q, _load(result.short, cache))
+    return _load(result, cache, short)
+
+
+def _load(result: BuildResult, cache: KernelCache, short: ShortKernel | None = None) -> AttentionKernel:
+    """The loaded kernel of one build (memoised per process, with its short-sequence kernel)."""
+    memo_key = (result.key, None if short is None else short.kernel.key, str(cache.root))
     with _loaded_lock:
         kernel = _loaded.get(memo_key)
         if kernel is None:
             function = load_function(result.entry.path, result.entry.meta.get("toolchain", toolchain())["cuda"])
-            kernel = AttentionKernel(spec, result.plan, function, key=result.key, path=result.entry.path)
+            kernel = AttentionKernel(spec=result.spec, plan=result.plan, function=function, key=result.key,
+                                     path=result.entry.path, short=short)
             _loaded[memo_key] = kernel
     return kernel

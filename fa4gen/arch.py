@@ -48,6 +48,7 @@ class ArchCaps:
     warpgroup_mma: bool
     tma: bool
     setmaxnreg: bool
+    l2_bytes: int  # L2 cache: the K/V working set a tile order keeps resident
     note: str
 
 
@@ -62,6 +63,7 @@ _CAPS: dict[Arch, ArchCaps] = {
         warpgroup_mma=True,
         tma=True,
         setmaxnreg=True,
+        l2_bytes=50 * 1024 * 1024,
         note="Hopper (H100/H200): TMA, wgmma, setmaxnreg",
     ),
     Arch.SM100A: ArchCaps(
@@ -74,6 +76,7 @@ _CAPS: dict[Arch, ArchCaps] = {
         warpgroup_mma=False,
         tma=True,
         setmaxnreg=True,
+        l2_bytes=126 * 1024 * 1024,
         note="Blackwell (B200): reserved, kernels not written yet",
     ),
 }

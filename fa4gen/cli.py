@@ -36,8 +36,8 @@ from fa4gen.api import BUILD_INFO_FILE
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
 from fa4gen.compiler import CompileError
-from fa4gen.planner import candidates
-from fa4gen.spec import load_spec
+from fa4gen.planner import Plan, candidates, short_sequence_plan
+from fa4gen.spec import AttentionSpec, load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
@@ -59,6 +59,8 @@ CacheDirOption = Annotated[
 ]
 SpecArgument = Annotated[Path, typer.Argument(help="Spec YAML file.", dir_okay=False, show_default=False)]
 ArchOption = Annotated[str, typer.Option("--arch", help="Target architecture, e.g. sm_90a.")]
+ShortOption = Annotated[bool, typer.Option("--short", help="The planner's plan for short query sequences "
+                                                           "(where it has one).")]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -173,9 +175,13 @@ def compile_command(
         started = time.perf_counter()
         result = fa4gen.build(spec, arch, cache_dir=root, no_compile=no_compile or None)  # None: env decides
         elapsed = time.perf_counter() - started
-    status = _build_status(result.entry, result.built_now, elapsed)
-    typer.echo(f"{result.plan.describe()}\n\nkey     {result.key}\npath    {result.entry.path}\n"
-               f"status  {status}\nsize    {human_size(result.entry.meta.get('size', 0))}")
+    for built, heading in ((result, ""), (result.short, f"short sequences (at most {result.short_max_seqlen_q} "
+                                                       "query rows):\n")):
+        if built is None:
+            continue
+        status = _build_status(built.entry, built.built_now, elapsed)
+        typer.echo(f"{heading}{built.plan.describe()}\n\nkey     {built.key}\npath    {built.entry.path}\n"
+                   f"status  {status}\nsize    {human_size(built.entry.meta.get('size', 0))}")
 
 
 def _build_status(entry: CacheEntry, built_now: bool, elapsed: float) -> str:
@@ -192,11 +198,29 @@ def plan_command(
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    short: ShortOption = False,
 ) -> None:
-    """Show the tile/pipeline schedule for a spec and the reason behind each choice."""
+    """Show the tile/pipeline schedule for a spec and the reason behind each choice (and the
+    plan for short query sequences, where the planner has one)."""
     with _reporting_errors():
-        kernel_plan = fa4gen.plan(load_spec(spec_file), arch)
-    typer.echo(kernel_plan.model_dump_json(indent=2) if as_json else kernel_plan.describe())
+        spec = load_spec(spec_file)
+        kernel_plan = _chosen_plan(spec, arch, short)
+        split = None if short else short_sequence_plan(spec, arch)
+    if as_json:
+        typer.echo(kernel_plan.model_dump_json(indent=2))
+    else:
+        typer.echo(kernel_plan.describe() + ("" if split is None else f"\n\n{split.describe()}"))
+
+
+def _chosen_plan(spec: AttentionSpec, arch: str, short: bool) -> Plan:
+    """The planner's plan, or with ``short`` its short-sequence plan (an error where none)."""
+    if not short:
+        return fa4gen.plan(spec, arch)
+    split = short_sequence_plan(spec, arch)
+    if split is None:
+        raise ValueError(f"--short: the planner has no short-sequence plan for {spec.summary()} on {arch} "
+                         "(one plan serves every length)")
+    return split.plan
 
 
 @app.command("tune")
@@ -226,11 +250,12 @@ def emit_command(
     arch: ArchOption = Arch.SM90A.value,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the source here.",
                                                    dir_okay=False)] = None,
+    short: ShortOption = False,
 ) -> None:
     """Print the generated CuTe-DSL source of a spec (or write it to a file)."""
     with _reporting_errors():
         spec = load_spec(spec_file)
-        source = fa4gen.emit(spec, fa4gen.plan(spec, arch)).source
+        source = fa4gen.emit(spec, _chosen_plan(spec, arch, short)).source
         if output is not None:
             output.write_text(source)
     if output is None:
@@ -386,7 +411,7 @@ def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False
         raise
     except Exception as exc:  # every failure becomes a row of the report, never a crash
         return {"status": "failed", "seconds": time.perf_counter() - started, "error": failure_reason(exc)}
-    status = "compiled" if result.built_now else "cached"
+    status = "compiled" if result.any_built_now else "cached"
     return {"status": status, "seconds": time.perf_counter() - started, "error": None}
 
 

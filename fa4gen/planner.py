@@ -42,6 +42,7 @@ class Plan(BaseModel):
     pingpong: bool
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
     tile_order: Literal["head_major", "heavy_first", "paired"]  # see fa4gen.kernels.scheduler
+    l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
     separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
@@ -83,6 +84,16 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
             "64 on the H200); Q + 2 stages = 224 KB"),
 )
+
+# Second plans for short query sequences, chosen per call by the longest query sequence of the
+# launch (both compile into the cache together): max_head_dim of the row refined -> (most query
+# rows, row). Symbolic sizes serve one plan for every length, but a tile is a compile-time shape.
+SM90_SHORT_TILES: dict[int, tuple[int, TileRow]] = {
+    96: (1024, TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
+                       "P in registers measured 13-18% faster than the 192-row tiles (H200: 476 vs 406 TFLOP/s at "
+                       "S=512, causal 362 vs 310 at S=1024), whose last tile leaves up to a third of its rows "
+                       "idle; from S=2048 on the 192-row tiles win")),
+}
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
 # tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load, so
@@ -197,10 +208,16 @@ def _sm90_fit_smem(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, p_r
     return tile_n, stages, separate_o, 2 if two_q else 1, shrunk
 
 
-def _plan_sm90(spec: AttentionSpec) -> Plan:
+def _sm90_row(spec: AttentionSpec) -> TileRow:
+    width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
+    return next(r for r in SM90_FWD_TILES if width <= r.max_head_dim)
+
+
+def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
+    """The plan of ``row`` (default: the table's row for the spec's head dims)."""
     dqk = _round_up(spec.head_dim, MMA_K_GRANULE)
     dv = _round_up(spec.dv, MMA_K_GRANULE)
-    row = next(r for r in SM90_FWD_TILES if max(dqk, dv) <= r.max_head_dim)
+    row = row or _sm90_row(spec)
     warpgroups, warpgroup_reason, tile_n, tile_reason = _sm90_register_fit(spec, row, max(dqk, dv))
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
     exp2_period, exp2_reason = _exp2_split(spec, row)
@@ -218,7 +235,7 @@ def _plan_sm90(spec: AttentionSpec) -> Plan:
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
         consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True, pingpong=row.pingpong, persistent=True,
-        tile_order=tile_order, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
+        tile_order=tile_order, l2_group_bytes=0, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
     )
@@ -256,6 +273,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
         "overlaps another's MMAs" if f["pingpong"] else
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
+        "l2_group_bytes": f"the heads of the heaviest-first order go in groups whose K/V fits {f['l2_group_bytes']} "
+        "bytes of L2, so the CTAs running together read the same K/V tiles (FlashAttention-3's longest-first order)"
+        if f["l2_group_bytes"] else "one group of all heads (L2-sized head groups are a tuning candidate: not yet "
+        "measured against this table's orders)",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one",
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
@@ -269,13 +290,46 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
     }
 
 
+class SeqlenSplit(BaseModel):
+    """A second plan for launches whose longest query sequence is short."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_seqlen_q: int  # launches with at most this many query rows per sequence run ``plan``
+    plan: Plan
+    reason: str
+
+    def describe(self) -> str:
+        return (f"short sequences (at most {self.max_seqlen_q} query rows) run this plan instead: {self.reason}\n"
+                f"{self.plan.describe()}")
+
+
+def _short_sm90(spec: AttentionSpec) -> SeqlenSplit | None:
+    entry = SM90_SHORT_TILES.get(_sm90_row(spec).max_head_dim)
+    if entry is None:
+        return None
+    max_seqlen_q, row = entry
+    short = _plan_sm90(spec, row)
+    if _schedule(short) == _schedule(_plan_sm90(spec)):  # the variant already chose the same schedule
+        return None
+    return SeqlenSplit(max_seqlen_q=max_seqlen_q, plan=short, reason=row.reason)
+
+
 _PLANNERS = {Arch.SM90A: _plan_sm90}
+_SHORT_PLANNERS = {Arch.SM90A: _short_sm90}
 
 
 def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
     """Lower a spec to the schedule its kernel runs on ``arch``."""
     target = require_supported(arch)
     return _PLANNERS[target](spec)
+
+
+def short_sequence_plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> SeqlenSplit | None:
+    """The plan that launches with short query sequences run instead of ``plan(spec, arch)``
+    (``fa4gen.compile`` picks per call), or None where one plan serves every length."""
+    target = require_supported(arch)
+    return _SHORT_PLANNERS[target](spec)
 
 
 # ----------------------------------------------------------------------------- tuning candidates
@@ -290,7 +344,7 @@ def plan_smem_bytes(p: Plan) -> int:
                            p.separate_o_smem, p.q_stages, not p.p_in_registers)
 
 
-def _sm90_fits(p: Plan) -> bool:
+def sm90_fits(p: Plan) -> bool:
     """Shared memory and a register estimate (S fp32 + P 16-bit + O fp32 per thread) fit."""
     smem = plan_smem_bytes(p)
     fragments = p.tile_n // 2 + (p.tile_n // 4 if p.p_in_registers else 0) + p.head_dim_v_padded // 2
@@ -299,7 +353,7 @@ def _sm90_fits(p: Plan) -> bool:
             and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
 
 
-def _sm90_variant(base: Plan, why: str, **update) -> Plan:
+def sm90_variant(base: Plan, why: str, **update) -> Plan:
     changed = base.model_copy(update=update)
     smem = plan_smem_bytes(changed)
     reasons = {**base.reasons, **{field: f"tuning candidate: {why}" for field in update}}
@@ -322,6 +376,9 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("persistence flipped", {"persistent": not base.persistent}),
         (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
         ("causal tiles heaviest first", {"tile_order": "heavy_first"}) if base.tile_order == "paired" else None,
+        ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first",
+                                                    "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
+        if base.tile_order != "head_major" else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",
@@ -337,7 +394,7 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
                                                     "consumer_regs": consumer_regs,
                                                     "p_in_registers": base.p_in_registers or other == 2}))
     for why, update in filter(None, flips):
-        variant = _sm90_variant(base, why, **update)
-        if _sm90_fits(variant) and all(_schedule(variant) != _schedule(p) for p in found):
+        variant = sm90_variant(base, why, **update)
+        if sm90_fits(variant) and all(_schedule(variant) != _schedule(p) for p in found):
             found.append(variant)
     return found

@@ -13,7 +13,7 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.planner import Plan
@@ -80,29 +80,44 @@ class AttentionKernel:
     the spec asks, lse (B, Hq, Sq) in float32 (natural log; -inf for rows that see no key).
     """
 
-    def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
+    def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None,
+                 short: ShortKernel | None = None):
         self.spec = spec
         self.plan = plan
         self.key = key
         self.path = path
+        self.short = short  # the kernel of the short-sequence plan, if the planner has one
         self._function = function
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
 
     def __repr__(self) -> str:
-        return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
+        short = "" if self.short is None else f", short (Sq <= {self.short.max_seqlen_q})={self.short.kernel.key[:12]}"
+        return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]}{short})"
 
-    def __call__(self, q, k, v, *, out=None, lse=None, sinks=None, alibi_slopes=None, rel_bias=None,
-                 prefix_lengths=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                 aux=None, block_mask=None):
+    def kernel_for(self, seqlen_q: int | None) -> AttentionKernel:
+        """The kernel that runs a launch whose longest query sequence is ``seqlen_q`` rows: the
+        short-sequence kernel up to its limit, else this one (also when the length is unknown)."""
+        if self.short is not None and seqlen_q is not None and seqlen_q <= self.short.max_seqlen_q:
+            return self.short.kernel
+        return self
+
+    def __call__(self, q, k, v, *, out=None, lse=None, **variant):
         """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs; the
         other keywords are the variant's run-time values (see ``AttentionSpec``): each is
         required exactly when the spec uses it. With a document mask q, k, v are packed
-        (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_*``
-        are accepted for API compatibility; tiles cover the packed tokens). An expression mask runs
-        with a block mask: ``block_mask`` from ``self.block_mask(...)``, else one built on the
-        GPU and cached per shape, scalar values and aux tensors."""
+        (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_q``
+        picks the short-sequence kernel where there is one; tiles cover the packed tokens). An
+        expression mask runs with a block mask: ``block_mask`` from ``self.block_mask(...)``,
+        else one built on the GPU and cached per shape, scalar values and aux tensors."""
+        kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
+        return kernel._launch(q, k, v, out=out, lse=lse, **variant)
+
+    def _launch(self, q, k, v, *, out=None, lse=None, sinks=None, alibi_slopes=None, rel_bias=None,
+                prefix_lengths=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                aux=None, block_mask=None):
+        """Validate, then launch this kernel (see ``__call__``)."""
         import torch
 
         if lse is not None and not self.spec.return_lse:
@@ -173,8 +188,8 @@ class AttentionKernel:
         """Build the block mask of this kernel's expression mask for one shape (on the GPU), to
         pass as ``block_mask=`` to every call (and layer) with that shape and aux values."""
         validate_aux_for_mask(self.spec, aux)
-        return build_block_mask(self.spec, self.plan, batch, heads, seqlen_q, seqlen_k, {"aux": dict(aux or {})},
-                                device)
+        tiles = self.kernel_for(seqlen_q).plan  # the tiles of the kernel that runs this shape
+        return build_block_mask(self.spec, tiles, batch, heads, seqlen_q, seqlen_k, {"aux": dict(aux or {})}, device)
 
     def _cached_block_mask(self, q, k, aux):
         """A block mask for this call, reused while the shape, the scalars and the aux tensors the
@@ -192,6 +207,22 @@ class AttentionKernel:
 
 
 BLOCK_MASK_CACHE_SIZE = 16
+
+
+class ShortKernel(NamedTuple):
+    """The kernel that launches with at most ``max_seqlen_q`` query rows per sequence run."""
+
+    max_seqlen_q: int
+    kernel: AttentionKernel
+
+
+def _longest_query(spec: AttentionSpec, q, max_seqlen_q) -> int | None:
+    """Query rows of the longest sequence in a launch, or None where the arguments do not say
+    (a packed launch without ``max_seqlen_q``, or arguments that validation will reject)."""
+    if spec.is_varlen:
+        return max_seqlen_q if isinstance(max_seqlen_q, int) else None
+    shape = getattr(q, "shape", None)
+    return shape[1] if shape is not None and len(shape) == 4 else None
 
 
 def _document_interval(spec: AttentionSpec, rows, docs, cu_q, cu_k):

@@ -4,7 +4,8 @@
     python tests/regen_golden.py --check    # only report which goldens are out of date (exit 1)
 
 Each specs/<stem>.yaml becomes tests/golden/<stem>.<arch>.py holding exactly
-``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``. Review the diff before committing: a golden
+``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``, and where the planner has a plan for short
+query sequences, tests/golden/<stem>.short.<arch>.py with that plan's source. Review the diff before committing: a golden
 change is a change of the generated kernel code.
 """
 
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import fa4gen
+from fa4gen.planner import short_sequence_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS_DIR = ROOT / "specs"
@@ -22,21 +24,28 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 ARCHES = ("sm_90a",)
 
 
-def golden_path(stem: str, arch: str) -> Path:
-    return GOLDEN_DIR / f"{stem}.{arch}.py"
+def golden_path(stem: str, arch: str, short: bool = False) -> Path:
+    return GOLDEN_DIR / f"{stem}{'.short' if short else ''}.{arch}.py"
 
 
-def render(spec_path: Path, arch: str) -> str:
-    spec = fa4gen.load_spec(spec_path)
-    return fa4gen.emit(spec, fa4gen.plan(spec, arch)).source
+def golden_plan(spec: fa4gen.AttentionSpec, arch: str, short: bool = False) -> fa4gen.Plan | None:
+    """The plan a golden renders: the planner's, or its short-sequence plan (None: it has none)."""
+    if not short:
+        return fa4gen.plan(spec, arch)
+    split = short_sequence_plan(spec, arch)
+    return None if split is None else split.plan
 
 
 def expected_goldens() -> dict[Path, str]:
-    return {
-        golden_path(spec_path.stem, arch): render(spec_path, arch)
-        for spec_path in sorted(SPECS_DIR.glob("*.yaml"))
-        for arch in ARCHES
-    }
+    wanted = {}
+    for spec_path in sorted(SPECS_DIR.glob("*.yaml")):
+        spec = fa4gen.load_spec(spec_path)
+        for arch in ARCHES:
+            for short in (False, True):
+                kernel_plan = golden_plan(spec, arch, short)
+                if kernel_plan is not None:
+                    wanted[golden_path(spec_path.stem, arch, short)] = fa4gen.emit(spec, kernel_plan).source
+    return wanted
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,27 @@ def test_emit_to_stdout_and_file(tmp_path: Path) -> None:
     assert result.stdout == ""
 
 
+def test_plan_and_emit_show_the_short_sequence_plan(tmp_path: Path) -> None:
+    """d96 has a second plan for short query sequences: `plan` prints it after the default,
+    `--short` selects it in `plan --json` and `emit`, and is an error where there is none."""
+    from fa4gen.planner import short_sequence_plan
+
+    spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
+    split = short_sequence_plan(spec, "sm_90a")
+    spec_file = write_spec(tmp_path, "head_dim: 96\ncausal: true\n")
+    result = run("plan", spec_file)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"{fa4gen.plan(spec, 'sm_90a').describe()}\n\n{split.describe()}"
+    result = run("plan", spec_file, "--short", "--json")
+    assert result.exit_code == 0, result.output
+    assert fa4gen.Plan.model_validate_json(result.stdout) == split.plan
+    result = run("emit", spec_file, "--short")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == fa4gen.emit(spec, split.plan).source
+    assert_one_line_error(run("emit", write_spec(tmp_path, name="d64.yaml"), "--short"), "--short",
+                          "no short-sequence plan")
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("command", ["plan", "emit", "compile"])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path: Path, command: str) -> None:

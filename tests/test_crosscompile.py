@@ -34,8 +34,27 @@ def _nvdisasm() -> str | None:
 
 @pytest.fixture(scope="module")
 def artifacts(warm_cache):
+    """Every built kernel: each spec's default plan, and its short-sequence plan where it has one."""
     _, results = warm_cache
-    return results
+    found = dict(results)
+    found.update({f"{name}.short": result.short for name, result in results.items() if result.short is not None})
+    return found
+
+
+def test_short_sequence_plans_are_built_beside_the_default(warm_cache):
+    from fa4gen.planner import short_sequence_plan
+
+    _, results = warm_cache
+    with_short = []
+    for name, result in results.items():
+        split = short_sequence_plan(result.spec, "sm_90a")
+        if split is None:
+            assert result.short is None, name
+            continue
+        with_short.append(name)
+        assert result.short.plan == split.plan and result.short_max_seqlen_q == split.max_seqlen_q, name
+        assert result.short.key != result.key and result.short.entry.path.is_dir(), name
+    assert with_short, "no spec in specs/ has a short-sequence plan: the dispatch would go uncompiled in CI"
 
 
 def test_every_spec_compiles_to_a_complete_entry(artifacts):

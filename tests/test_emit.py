@@ -18,7 +18,7 @@ import pytest
 
 import fa4gen
 from fa4gen.emitter import LOG2E, emit
-from fa4gen.planner import plan
+from fa4gen.planner import plan, short_sequence_plan
 from fa4gen.expr import render_cute
 from fa4gen.variants import lower
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec
@@ -28,6 +28,7 @@ SPECS_DIR = TESTS_DIR.parent / "specs"
 GOLDEN_DIR = TESTS_DIR / "golden"
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
 SPEC_IDS = [p.stem for p in SPEC_FILES]
+SHORT_SPEC_FILES = [p for p in SPEC_FILES if short_sequence_plan(load_spec(p), "sm_90a") is not None]
 ARCH = "sm_90a"
 DIFF_LINES = 40
 
@@ -83,8 +84,18 @@ def test_emit_matches_golden(spec_path):
     assert actual == expected, _golden_mismatch_message(golden, expected, actual)
 
 
+@pytest.mark.parametrize("spec_path", SHORT_SPEC_FILES, ids=[p.stem for p in SHORT_SPEC_FILES])
+def test_short_sequence_plan_matches_golden(spec_path):
+    golden = GOLDEN_DIR / f"{spec_path.stem}.short.{ARCH}.py"
+    assert golden.exists(), f"no golden {golden.name}: run `python tests/regen_golden.py`"
+    expected = golden.read_text()
+    spec = load_spec(spec_path)
+    actual = emit(spec, short_sequence_plan(spec, ARCH).plan).source
+    assert actual == expected, _golden_mismatch_message(golden, expected, actual)
+
+
 def test_no_stale_goldens():
-    stems = {p.stem for p in SPEC_FILES}
+    stems = {p.stem for p in SPEC_FILES} | {f"{p.stem}.short" for p in SHORT_SPEC_FILES}
     stale = [g.name for g in GOLDEN_DIR.glob("*.py") if g.name.removesuffix(f".{ARCH}.py") not in stems]
     assert not stale, f"goldens without a spec file: {stale}; run `python tests/regen_golden.py`"
 
@@ -105,7 +116,8 @@ def test_regen_golden_check_is_clean():
     module_spec = importlib.util.spec_from_file_location("regen_golden", TESTS_DIR / "regen_golden.py")
     regen = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(regen)
-    assert regen.expected_goldens().keys() == {GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS}
+    assert regen.expected_goldens().keys() == ({GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS}
+                                               | {GOLDEN_DIR / f"{p.stem}.short.{ARCH}.py" for p in SHORT_SPEC_FILES})
     assert regen.main(["--check"]) == 0
 
 
@@ -213,6 +225,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "pingpong": kernel_plan.pingpong,
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,
+        "l2_group_bytes": kernel_plan.l2_group_bytes,
         "separate_o_smem": kernel_plan.separate_o_smem,
         "exp2_poly_period": kernel_plan.exp2_poly_period,
         "rescale_threshold": kernel_plan.rescale_threshold,

@@ -362,3 +362,50 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
     assert p.tile_order == order
     if order == "paired":  # the reason says when a window lets pairs run
         assert ("window" in p.reasons["tile_order"]) == ("window_left" in fields)
+
+
+@pytest.mark.parametrize(
+    "fields, has_short",
+    [
+        ({"head_dim": 96}, True),
+        ({"head_dim": 96, "causal": True}, True),
+        ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, True),
+        ({"head_dim": 96, "causal": True, "window_left": 256}, False),  # the window already runs 2 warpgroups
+        ({"head_dim": 96, "score_mod": "alibi"}, False),
+        ({"head_dim": 64}, False),
+        ({"head_dim": 128, "causal": True}, False),
+        ({"head_dim": 192, "head_dim_v": 128}, False),
+        ({"head_dim": 256}, False),
+    ],
+)
+def test_short_sequence_plan_where_the_tile_table_has_one(fields, has_short):
+    """d96 (192-row tiles) has a 128-row plan for launches of at most 1024 query rows, measured
+    faster there; where the variant already runs 128-row tiles there is nothing to switch to."""
+    from fa4gen.planner import SM90_SHORT_TILES, short_sequence_plan
+
+    spec = AttentionSpec(**fields)
+    split = short_sequence_plan(spec, "sm_90a")
+    assert (split is not None) == has_short
+    if split is None:
+        return
+    main = plan(spec, "sm_90a")
+    assert main.num_consumer_warpgroups == 3 and not main.p_in_registers
+    short = split.plan
+    assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
+    assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+    assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
+    assert split.max_seqlen_q == SM90_SHORT_TILES[96][0] == 1024
+    assert "1024 query rows" in split.reason and "1024 query rows" in split.describe()
+    assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
+
+
+def test_l2_head_groups_are_a_tuning_candidate_of_ordered_plans():
+    """The heaviest-first order in L2-sized head groups (FlashAttention-3's) is offered to
+    `fa4gen tune` for causal and other uneven-work plans; the table does not choose it yet."""
+    for fields, offered in (({"causal": True}, True), ({"mask": "prefix_lm"}, True), ({}, False)):
+        spec = AttentionSpec(head_dim=128, **fields)
+        assert plan(spec, "sm_90a").l2_group_bytes == 0
+        grouped = [p for p in candidates(spec, "sm_90a") if p.l2_group_bytes]
+        assert bool(grouped) == offered, fields
+        for p in grouped:
+            assert p.tile_order == "heavy_first" and p.l2_group_bytes == Arch.SM90A.caps.l2_bytes

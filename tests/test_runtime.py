@@ -166,3 +166,31 @@ def test_document_query_tiles_are_ranked_by_work():
     position_in_doc = (order % 4).tolist()
     assert position_in_doc == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]  # last tiles of each document first
     assert sorted(order.tolist()) == list(range(12))
+
+
+def test_short_query_sequences_run_the_short_sequence_kernel():
+    """With a short-sequence kernel attached, launches of at most its limit of query rows go to
+    it (whole: validation, tables and launch), longer ones and unknown lengths to the default."""
+    from fa4gen.planner import short_sequence_plan
+    from fa4gen.runtime import ShortKernel
+
+    spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
+    split = short_sequence_plan(spec, "sm_90a")
+    short = AttentionKernel(spec, split.plan, Recorder(), key="short")
+    launched = []
+    short._launch = lambda q, k, v, **kwargs: launched.append((q.shape, kwargs)) or "short result"
+    kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main",
+                             short=ShortKernel(split.max_seqlen_q, short))
+    assert kernel.kernel_for(1024) is short and kernel.kernel_for(1) is short
+    assert kernel.kernel_for(1025) is kernel and kernel.kernel_for(None) is kernel
+    assert "short (Sq <= 1024)" in repr(kernel)
+
+    def qkv(seqlen_q):
+        return (torch.randn(1, seqlen_q, 2, 96).bfloat16(), torch.randn(1, 9, 2, 96).bfloat16(),
+                torch.randn(1, 9, 2, 96).bfloat16())
+
+    assert kernel(*qkv(1024), out=None) == "short result"
+    assert launched == [((1, 1024, 2, 96), {"out": None, "lse": None})]
+    with pytest.raises(ValueError, match="q is on cpu"):  # the default kernel validates longer ones
+        kernel(*qkv(1025))
+    assert len(launched) == 1 and not kernel._function.calls

@@ -9,8 +9,11 @@ Three orders (the plan's ``tile_order``):
 - ``heavy_first`` (windows, chunks, prefix-LM, documents: work per query tile differs): the query
   tile is the slowest digit, counted from the end of the sequence, so the longest tiles start
   first; rounds alternate direction (a snake), pairing a heavy tile with a light one per CTA. The
-  CTAs of one round work on as many different heads, so K/V is reused in L2 only when all heads'
-  K/V fit there. Packed documents break "higher query tile = more work" (work restarts at every
+  CTAs of one round would work on as many different heads, so the heads go in groups whose K/V
+  fits in L2 (``group_bytes``, the plan's budget; FlashAttention-3's
+  longest-processing-time order does the same): the group is the slowest digit, and the CTAs of
+  a round run neighbouring query tiles of the group's heads, which read the same K/V tiles at
+  about the same time. Packed documents break "higher query tile = more work" (work restarts at every
   document): the caller passes the query tiles ranked by their work (``order``: most first) and
   the slowest digit indexes that ranking.
 - ``paired`` (causal, where query tile m sees m + 1 key tiles): one CTA runs query tile M-1-j and
@@ -35,12 +38,25 @@ TILE_ORDERS = ("head_major", "heavy_first", "paired")
 
 
 class TileScheduler:
-    def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None):
+    def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None, group_bytes: int = 0,
+                 qhead_per_kvhead: int = 1):
         assert order in TILE_ORDERS, order
         self.order = order
         # heavy_first through a run-time ranking of the query tiles (other orders ignore it)
         self.ranked = ranked and order == "heavy_first"
         self.pair_limit = pair_limit if order == "paired" else None
+        # heavy_first: the K/V bytes a head group may hold in L2 (0: one group of all heads)
+        self.group_bytes, self.qhead_per_kvhead = group_bytes, qhead_per_kvhead
+
+    @cute.jit
+    def head_group(self, seqlen_k: Int32, heads_batches: Int32, row_bytes: int) -> Int32:
+        """Query heads per group of the heavy_first order: whole KV heads (GQA's query heads
+        share theirs) whose K/V (``row_bytes`` per key) fits the budget, at least one, at most all."""
+        group = heads_batches
+        if cutlass.const_expr(self.group_bytes > 0):
+            kv_heads = cutlass.max((self.group_bytes // row_bytes) // cutlass.max(seqlen_k, 1), 1)
+            group = cutlass.min(kv_heads * self.qhead_per_kvhead, heads_batches)
+        return group
 
     def pairs_now(self, seqlen_k: Int32):
         """Whether this launch runs pairs: a Python bool, or a run-time flag with a pair limit."""
@@ -88,24 +104,33 @@ class TileScheduler:
         return ok
 
     @cute.jit
-    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, pairs, order=None):
-        """tile id -> (m_block, head, batch)."""
+    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, pairs, group: Int32,
+               order=None):
+        """tile id -> (m_block, head, batch); ``group``: see ``head_group``."""
         heads_batches = num_heads * num_batches
-        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, order)
+        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, group, order)
         if pairs:
             m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
         return m_block, head_batch % num_heads, head_batch // num_heads
 
     # ------------------------------------------------------------------ the orders
     @cute.jit
-    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, order):
+    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, group: Int32, order):
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
         if cutlass.const_expr(self.order != "head_major"):  # heavy_first, or paired falling back
-            m_block = num_m_blocks - 1 - tile // heads_batches
-            if cutlass.const_expr(self.ranked):
-                m_block = order[tile // heads_batches]
+            rank = tile // heads_batches  # query tiles from the heaviest, heads fastest
             head_batch = tile % heads_batches
+            if cutlass.const_expr(self.group_bytes > 0):
+                # head group slowest (the last one may be narrower), then rank, then head
+                first_head = tile // (group * num_m_blocks) * group
+                within = tile - first_head * num_m_blocks
+                width = cutlass.min(group, heads_batches - first_head)
+                rank = within // width
+                head_batch = first_head + within - rank * width
+            m_block = num_m_blocks - 1 - rank
+            if cutlass.const_expr(self.ranked):
+                m_block = order[rank]
         return m_block, head_batch
 
     @cute.jit

@@ -89,6 +89,7 @@ class HopperAttentionForward(Sm90MainLoop):
         rescale_threshold: float = 0.0,
         q_stages: int = 1,
         p_in_registers: bool = True,
+        l2_group_bytes: int = 0,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -123,7 +124,8 @@ class HopperAttentionForward(Sm90MainLoop):
         self.has_right_mask = window_right is not None or prefix_lm or document
         # pairs of causal query tiles keep equal work only while a left window cuts no row
         pair_limit = None if window_left is None else window_left + 1
-        self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit)
+        self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
+                                       qhead_per_kvhead=qhead_per_kvhead)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -268,6 +270,8 @@ class HopperAttentionForward(Sm90MainLoop):
         )
         sizes.heads_batches = sizes.num_heads * sizes.num_batches
         sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
+        sizes.group = self.scheduler.head_group(sizes.seqlen_k, sizes.heads_batches,
+                                                (self.dqk + self.dv) * self.dtype.width // 8)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -296,7 +300,7 @@ class HopperAttentionForward(Sm90MainLoop):
     def tile_info(self, tile: Int32, sizes):
         order = sizes.args.m_block_order if cutlass.const_expr(self.scheduler.ranked) else None
         m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches,
-                                                     sizes.pairs, order)
+                                                     sizes.pairs, sizes.group, order)
         n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                  sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,

@@ -27,6 +27,7 @@
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     tile_order                 head_major equal work per query tile: the CTAs running together share one head's K/V in L2
+#     l2_group_bytes             0          one group of all heads (L2-sized head groups are a tuning candidate: not yet measured against this table's orders)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
@@ -89,6 +90,7 @@ def make_kernel() -> HopperAttentionForward:
         pingpong=True,
         persistent=True,
         tile_order="head_major",
+        l2_group_bytes=0,
         separate_o_smem=True,
         exp2_poly_period=0,
         rescale_threshold=8.0,
