@@ -35,7 +35,7 @@ def warm(args) -> None:
     for spec in bench.specs_of(bench.grid(args.grid)):
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a")
-        print(f"{spec.summary():32} {'compiled' if result.built_now else 'cached':8} "
+        print(f"{spec.summary():32} {'compiled' if result.any_built_now else 'cached':8} "
               f"{time.perf_counter() - started:5.1f} s", flush=True)
 
 

@@ -19,7 +19,7 @@ SEQLENS = (4096, 16384, 1024)
 
 def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     out = []
-    from fa4gen.planner import sm90_fits, sm90_variant
+    from fa4gen.planner import sm90_fits, sm90_refit, sm90_variant
 
     for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)):
         for causal in (False, True):
@@ -27,9 +27,11 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
             base = fa4gen.plan(spec)
             out.append(("default", spec, base))
             out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
-            wider = sm90_variant(base, "32 more keys per tile", tile_n=base.tile_n + 32)
-            if sm90_fits(wider):
-                out.append(("tile_n+32", spec, wider))
+            for step in (16, 32):  # giving up Q and O buffers where they no longer fit
+                wider = sm90_refit(sm90_variant(base, f"{step} more keys per tile", tile_n=base.tile_n + step),
+                                   f"{step} more keys per tile")
+                if sm90_fits(wider):
+                    out.append((f"tile_n+{step}", spec, wider))
             if base.q_stages == 2:
                 out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
             if base.tile_order == "paired":

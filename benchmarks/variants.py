@@ -180,7 +180,7 @@ def fa4_function(variant: Variant, args: dict) -> Callable | None:
 def warm(_args) -> None:
     for spec in variants_for_warm():
         result = fa4gen.build(spec, "sm_90a")
-        print(f"{spec.summary():40} {'compiled' if result.built_now else 'cached'}", flush=True)
+        print(f"{spec.summary():40} {'compiled' if result.any_built_now else 'cached'}", flush=True)
 
 
 def variants_for_warm() -> list[fa4gen.AttentionSpec]:

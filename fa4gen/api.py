@@ -82,13 +82,24 @@ def build(
     candidate plans)."""
     target = require_supported(arch)
     cache = cache or KernelCache(cache_dir)
-    if kernel_plan is None:
-        main = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=plan(spec, target))
-        split = short_sequence_plan(spec, target)
-        if split is None:
-            return main
-        short = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=split.plan)
-        return replace(main, short=short, short_max_seqlen_q=split.max_seqlen_q)
+    if kernel_plan is not None:
+        return _build_plan(spec, target, kernel_plan, cache, no_compile)
+    return _with_short_plan(_build_plan(spec, target, plan(spec, target), cache, no_compile), cache, no_compile)
+
+
+def _with_short_plan(result: BuildResult, cache: KernelCache, no_compile: bool | None) -> BuildResult:
+    """``result`` with the planner's short-sequence plan built beside it (where it has one)."""
+    target = Arch.parse(result.plan.arch)
+    split = short_sequence_plan(result.spec, target)
+    if split is None:
+        return result
+    short = _build_plan(result.spec, target, split.plan, cache, no_compile)
+    return replace(result, short=short, short_max_seqlen_q=split.max_seqlen_q)
+
+
+def _build_plan(spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: KernelCache,
+                no_compile: bool | None) -> BuildResult:
+    """One plan: emit, compile and store under its key (or find it there)."""
     if kernel_plan.arch != target.value:
         raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
     key = make_key(cache_key_parts(spec, kernel_plan, target))
@@ -162,14 +173,9 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     if kernel_plan is None:
         kernel_plan = _tuned_for_this_device(spec, target, cache)
     result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
-    short = None
-    if not explicit and result.short is None:  # a tuned plan: the short plan still applies
-        split = short_sequence_plan(spec, target)
-        if split is not None:
-            short_result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=split.plan)
-            result = replace(result, short=short_result, short_max_seqlen_q=split.max_seqlen_q)
-    if result.short is not None:
-        short = ShortKernel(result.short_max_seqlen_q, _load(result.short, cache))
+    if not explicit and result.short is None:  # a tuned plan: the short-sequence plan still applies
+        result = _with_short_plan(result, cache, no_compile)
+    short = None if result.short is None else ShortKernel(result.short_max_seqlen_q, _load(result.short, cache))
     return _load(result, cache, short)
 
 

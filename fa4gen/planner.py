@@ -394,7 +394,18 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
                                                     "consumer_regs": consumer_regs,
                                                     "p_in_registers": base.p_in_registers or other == 2}))
     for why, update in filter(None, flips):
-        variant = sm90_variant(base, why, **update)
+        variant = sm90_refit(sm90_variant(base, why, **update), why)
         if sm90_fits(variant) and all(_schedule(variant) != _schedule(p) for p in found):
             found.append(variant)
     return found
+
+
+def sm90_refit(p: Plan, why: str) -> Plan:
+    """A candidate whose buffers overflow shared memory gives up the second Q buffer, then
+    stages O over Q (as the planner's own fit does; e.g. FlashAttention's 192x144 d96 tiles fit
+    only so)."""
+    for update in ({}, {"q_stages": 1}, {"q_stages": 1, "separate_o_smem": False}):
+        refit = sm90_variant(p, f"{why}, to fit shared memory", **update) if update else p
+        if sm90_fits(refit):
+            return refit
+    return p

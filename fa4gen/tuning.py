@@ -2,7 +2,8 @@
 
 ``tune`` compiles the planner's candidate plans for a spec (``planner.candidates``), times each
 on a few shapes on the current GPU, and records the fastest in the cache directory, keyed by
-(arch, GPU name, spec). ``fa4gen.compile`` then uses the recorded plan on a GPU of that name;
+(arch, GPU name, spec). The record replaces the planner's default plan; where the planner also
+has a plan for short query sequences, calls that short still run that one. ``fa4gen.compile`` then uses the recorded plan on a GPU of that name;
 everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the planner's table
 applies. Records are small JSON files written atomically; a record that no longer parses as a
 Plan (an older fa4gen) is ignored with a warning.
@@ -24,7 +25,7 @@ from typing import Callable
 
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import make_key
-from fa4gen.planner import Plan, candidates
+from fa4gen.planner import Plan, candidates, short_sequence_plan
 from fa4gen.spec import AttentionSpec
 
 TUNED_DIR = "tuned"
@@ -120,6 +121,11 @@ def tune(
         raise UnsupportedArchError("fa4gen tune times kernels on a GPU: no CUDA device is visible")
     root = KernelCache(cache_dir).root
     plans = candidates(spec, target)
+    split = short_sequence_plan(spec, target)
+    if split is not None and any(seqlen <= split.max_seqlen_q for seqlen in seqlens):
+        warnings.warn(f"fa4gen.compile runs the short-sequence plan for at most {split.max_seqlen_q} query rows: "
+                      f"the tuned plan replaces the default only above that, so time longer seqlens than "
+                      f"{', '.join(str(s) for s in seqlens if s <= split.max_seqlen_q)}", UserWarning, stacklevel=2)
     # rounds alternate forward and backward through the candidates, and each candidate scores
     # its mean: a shared GPU drifts (clocks, neighbours) over a tuning run, and with an even
     # number of rounds every candidate's average position in time is the same, so linear drift

@@ -110,7 +110,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import SM90_REGISTER_SPLIT, sm90_fits
+    from fa4gen.planner import SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
 
     cases = {}
     for name, spec in {
@@ -138,9 +138,12 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
             "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
+            "tile-n": {"tile_n": base.tile_n + 16},
         }
         for flip, update in flips.items():
             p = base.model_copy(update=update)
+            if flip == "tile-n":  # as tune's candidates: Q and O buffers give way where needed
+                p = sm90_refit(p, "16 more keys per tile")
             if sm90_fits(p):  # shared memory, O staging and a register estimate
                 cases[f"{name}/{flip}"] = (spec, p)
     return cases

@@ -106,3 +106,52 @@ def test_candidates_differ_in_schedule_not_only_in_reasons():
     for spec in (fa4gen.AttentionSpec(head_dim=64), fa4gen.AttentionSpec(head_dim=128, softcap=30.0), fa4gen.AttentionSpec(head_dim=256)):
         schedules = [p.model_dump(exclude={"reasons", "smem_bytes"}) for p in candidates(spec, "sm_90a")]
         assert all(a != b for i, a in enumerate(schedules) for b in schedules[i + 1:])
+
+
+def test_tuning_lengths_that_run_the_short_sequence_plan_are_flagged(tmp_path):
+    """A d96 spec's launches of at most 1024 query rows run the short-sequence plan whatever is
+    tuned: timing the candidates there measures kernels compile() would not run."""
+    spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
+    with pytest.warns(UserWarning, match="at most 1024 query rows.*longer seqlens than 512"):
+        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(512, 4096),
+                    rounds=1)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(2048,),
+                    rounds=1)
+
+
+def test_compile_attaches_the_short_sequence_kernel_unless_a_plan_is_given(tmp_path, monkeypatch):
+    """compile() of a d96 spec loads the short-sequence kernel beside the planner's plan and
+    beside a tuned plan, but an explicit kernel_plan runs alone (tests and tuning time exactly it)."""
+    from fa4gen.planner import short_sequence_plan
+
+    spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
+    split = short_sequence_plan(spec, "sm_90a")
+    tuned = candidates(spec, "sm_90a")[1]
+    built = []
+
+    def fake_build_plan(spec_, target, kernel_plan, cache, no_compile):
+        built.append(kernel_plan)
+        return api.BuildResult(spec=spec_, plan=kernel_plan, key=kernel_plan.canonical_json(), entry=None,
+                               built_now=False)
+
+    def fake_load(result, cache, short=None):
+        return result.plan, short
+
+    monkeypatch.setattr(api, "_build_plan", fake_build_plan)
+    monkeypatch.setattr(api, "_load", fake_load)
+    for device, explicit, main in (("GPU without a record", None, fa4gen.plan(spec, "sm_90a")),
+                                   ("NVIDIA H200", None, tuned), ("NVIDIA H200", tuned, tuned)):
+        monkeypatch.setattr(tuning, "current_device_name", lambda: device)
+        tuning.record_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200", tuned, [])
+        built.clear()
+        plan_, short = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path, kernel_plan=explicit)
+        assert plan_ == main
+        if explicit is None:
+            assert built == [main, split.plan]
+            assert short.max_seqlen_q == split.max_seqlen_q and short.kernel == (split.plan, None)
+        else:
+            assert built == [main] and short is None

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A device session's GPU work in one device call, kernels compiled beforehand on this machine
+# (the H200 image has no CuTe DSL compiler; see ../shared/device/README.md):
+#
+#   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 8 min;
+#                                                      # LABELS: schedule_options rows to add
+#   device call 1, carry .devfull/a:                    bash .devfull/a/unpack.sh
+#   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
+#                                                      bash benchmarks/device_session.sh run [SEQLENS LABELS]
+#
+# 'run' writes under $OUT: gpu.log (the GPU tests), grid-1.json and grid-2.json (the speed grid,
+# `python benchmarks/run.py report` turns them into the table), variants.json, env.txt and, with
+# SEQLENS and LABELS, schedule.txt. It takes about 400 s without the schedule rows; the device
+# allows 600 s per call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE=.devcache/kernels
+
+warm() {
+    rm -rf .devcache && mkdir -p "$CACHE"
+    # every warm below writes the same cache: one after the other, never two at once
+    python tests/warm_gpu_cache.py "$CACHE"
+    FA4GEN_CACHE_DIR="$CACHE" python benchmarks/run.py warm --grid full
+    FA4GEN_CACHE_DIR="$CACHE" python benchmarks/variants.py warm
+    if [ -n "${1:-}" ]; then
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/schedule_options.py warm "" "$1"
+    fi
+    # the GPU machine has no toolchain metadata: it reads the one that compiled the cache
+    python -c "from fa4gen.toolchain import toolchain; t = toolchain(); \
+print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolchain
+    du -sh .devcache .devrt .devfull/b  # the carry limit is 64 MiB for the three together
+}
+
+run() {
+    : "${OUT:?run on the device machine, where \$OUT is set}"
+    source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1
+    chmod -R go-w .devcache  # a cache others can write is refused
+    export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/env.txt"
+    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/gpu.log" 2>&1 || true
+    tail -n 1 "$OUT/gpu.log"
+    python3 benchmarks/run.py run --grid full --part 1/2 --out "$OUT/grid-1.json" > "$OUT/grid-1.txt" 2>&1
+    python3 benchmarks/run.py run --grid full --part 2/2 --out "$OUT/grid-2.json" > "$OUT/grid-2.txt" 2>&1
+    python3 benchmarks/variants.py run --out "$OUT/variants.json" > "$OUT/variants.txt" 2>&1
+    if [ -n "${1:-}" ] && [ -n "${2:-}" ]; then
+        python3 benchmarks/schedule_options.py run "$1" "$2" > "$OUT/schedule.txt" 2>&1
+    fi
+    python3 benchmarks/run.py report "$OUT/grid-1.json" "$OUT/grid-2.json" | tail -n 8
+}
+
+case "${1:-}" in
+    warm) shift; warm "$@" ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 warm [LABELS] | run [SEQLENS LABELS]" >&2; exit 2 ;;
+esac
