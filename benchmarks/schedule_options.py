@@ -40,6 +40,8 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
                 groups = heavy.model_copy(update={"l2_group_bytes": Arch.SM90A.caps.l2_bytes})
                 out.append(("heavy-groups", spec, groups))  # heads in L2-sized groups
                 out.append(("groups-one-shot", spec, groups.model_copy(update={"persistent": False})))
+            if not causal:  # the CTAs of a head read different K/V tiles at a time
+                out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
             if d <= 128:
                 out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
             out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))

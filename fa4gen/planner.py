@@ -43,6 +43,7 @@ class Plan(BaseModel):
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
     tile_order: Literal["head_major", "heavy_first", "paired"]  # see fa4gen.kernels.scheduler
     l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
+    rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
     separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
@@ -235,7 +236,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
         consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True, pingpong=row.pingpong, persistent=True,
-        tile_order=tile_order, l2_group_bytes=0, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
+        tile_order=tile_order, l2_group_bytes=0, rotate_key_tiles=False, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
     )
@@ -277,6 +278,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "bytes of L2, so the CTAs running together read the same K/V tiles (FlashAttention-3's longest-first order)"
         if f["l2_group_bytes"] else "one group of all heads (L2-sized head groups are a tuning candidate: not yet "
         "measured against this table's orders)",
+        "rotate_key_tiles": "query tile m visits its key tiles from m below the top and around, so the CTAs "
+        "of one head read different K/V tiles at a time" if f["rotate_key_tiles"] else "key tiles from the "
+        "highest down: the CTAs of one head read the same K/V tile at about the same time (the rotated order "
+        "is a tuning candidate for kernels without mask bounds: not yet measured)",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one",
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
@@ -379,6 +384,7 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first",
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
+        ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",

@@ -139,8 +139,9 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
             "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
             "tile-n": {"tile_n": base.tile_n + 16},
+            "rotated-keys": {"rotate_key_tiles": True} if not spec.has_mask else None,
         }
-        for flip, update in flips.items():
+        for flip, update in filter(lambda item: item[1] is not None, flips.items()):
             p = base.model_copy(update=update)
             if flip == "tile-n":  # as tune's candidates: Q and O buffers give way where needed
                 p = sm90_refit(p, "16 more keys per tile")

@@ -409,3 +409,14 @@ def test_l2_head_groups_are_a_tuning_candidate_of_ordered_plans():
         assert bool(grouped) == offered, fields
         for p in grouped:
             assert p.tile_order == "heavy_first" and p.l2_group_bytes == Arch.SM90A.caps.l2_bytes
+
+
+def test_rotated_key_tiles_are_a_tuning_candidate_without_mask_bounds():
+    """Visiting key tiles from an offset per query tile is only valid where no mask bound ties
+    the order to key positions: offered to `fa4gen tune` for plain kernels, off in the table."""
+    for fields, offered in (({}, True), ({"softcap": 30.0, "sinks": True}, True), ({"causal": True}, False),
+                            ({"window_left": 64, "window_right": 64}, False),
+                            ({"mask": {"kind": "expression", "expr": "kv_idx <= q_idx"}}, False)):
+        spec = AttentionSpec(head_dim=128, **fields)
+        assert not plan(spec, "sm_90a").rotate_key_tiles
+        assert any(p.rotate_key_tiles for p in candidates(spec, "sm_90a")) == offered, fields

@@ -90,6 +90,7 @@ class HopperAttentionForward(Sm90MainLoop):
         q_stages: int = 1,
         p_in_registers: bool = True,
         l2_group_bytes: int = 0,
+        rotate_key_tiles: bool = False,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -124,6 +125,12 @@ class HopperAttentionForward(Sm90MainLoop):
         self.has_right_mask = window_right is not None or prefix_lm or document
         # pairs of causal query tiles keep equal work only while a left window cuts no row
         pair_limit = None if window_left is None else window_left + 1
+        # key tiles from an offset per query tile (query tile m starts m tiles below the top and
+        # wraps around), so the CTAs of one head read different K/V tiles at a time; only where
+        # no mask bound ties the order to the key positions (the ragged last tile is flagged)
+        self.rotate_key_tiles = rotate_key_tiles
+        assert not rotate_key_tiles or (not self.key_tiles.structural and mask_mod is None), \
+            "rotated key tiles need a kernel without mask bounds"
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
                                        qhead_per_kvhead=qhead_per_kvhead)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
@@ -305,6 +312,8 @@ class HopperAttentionForward(Sm90MainLoop):
                                                                  sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
                      n_max=n_max, n_count=cutlass.max(n_max - n_min, 0))
+        if cutlass.const_expr(self.rotate_key_tiles):
+            t.rotation = m_block % cutlass.max(t.n_count, 1)
         if cutlass.const_expr(self.block_sparse):
             # the block mask lists this tile's non-empty key tiles (its tables may be shared
             # across batch entries and heads: a size-1 mode broadcasts)
@@ -315,8 +324,12 @@ class HopperAttentionForward(Sm90MainLoop):
 
     @cute.jit
     def key_block(self, t, i: Int32, args) -> Int32:
-        """The i-th key tile a query tile visits: from the highest down, or the block mask's list."""
+        """The i-th key tile a query tile visits: from the highest down (from ``t.rotation``
+        below it and around, with rotated key tiles), or the block mask's list."""
         n_block = t.n_max - 1 - i
+        if cutlass.const_expr(self.rotate_key_tiles):
+            step = i + t.rotation  # < 2 n_count: one wrap at most
+            n_block = t.n_max - 1 - cutlass.select_(step >= t.n_count, step - t.n_count, step)
         if cutlass.const_expr(self.block_sparse):
             n_block = args.block_index[t.mask_b, t.mask_h, t.m_block, i]
         return n_block

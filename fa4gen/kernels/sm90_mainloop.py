@@ -7,10 +7,11 @@ Two schedules, chosen by the plan:
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
 warpgroup's softmax fills the time another's MMAs hold the tensor cores.
 
-Key tiles run from the highest down (or in a block mask's list order): the first tile always
-runs the mask (it may hold the diagonal or the ragged end of Sk); after it, a run-time flag per
-tile says whether it crosses a mask bound (see masking.py) or, with a block mask, whether the
-tile is partial, so interior and full tiles skip the mask code. The highest tiles of a query
+Key tiles run from the highest down (or in a block mask's list order, or, without mask bounds
+and with rotated key tiles, from an offset per query tile): the first tile always runs the mask
+(it may hold the diagonal or the ragged end of Sk); after it, a run-time flag per tile says
+whether it crosses a mask bound (see masking.py), is the ragged end of Sk (rotated) or, with a
+block mask, is partial, so interior and full tiles skip the mask code. The highest tiles of a query
 tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
 Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
@@ -41,8 +42,8 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, block_sparse, score_mod, mask_mod, key_tiles,
-    softmax and key_block()."""
+    pingpong, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
+    score_mod, mask_mod, key_tiles, softmax and key_block()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
@@ -103,8 +104,9 @@ class Sm90MainLoop:
         """Whether the i-th visited key tile ``n_block`` (not the first, which is always masked)
         needs mask code: a run-time flag, so masked and interior tiles share one traced loop
         body and only boundary tiles execute it. With a block mask, its 'full' flag decides; with
-        structural bounds, whether the tile crosses one; without any it is the constant False
-        (the only ragged tile, the last one of Sk, is the first tile)."""
+        structural bounds, whether the tile crosses one; with rotated key tiles, whether it is
+        the ragged last tile of Sk; otherwise it is the constant False (the only ragged tile, the
+        last one of Sk, is the first tile)."""
         masked = False
         if cutlass.const_expr(self.block_sparse):
             masked = loop.args.block_full[tile.mask_b, tile.mask_h, tile.m_block, i] == 0
@@ -114,6 +116,8 @@ class Sm90MainLoop:
             masked = n_block >= tile.split_hi
         elif cutlass.const_expr(self.has_left_mask):
             masked = n_block < tile.split_lo
+        elif cutlass.const_expr(self.rotate_key_tiles):
+            masked = n_block >= tile.split_hi  # the ragged last tile of Sk, wherever it comes
         return masked
 
     # ------------------------------------------------------------------ ping-pong turns

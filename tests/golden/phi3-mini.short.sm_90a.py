@@ -26,6 +26,7 @@
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups are a tuning candidate: not yet measured against this table's orders)
+#     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time (the rotated order is a tuning candidate for kernels without mask bounds: not yet measured)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 96: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
@@ -78,6 +79,7 @@ def make_kernel() -> HopperAttentionForward:
         persistent=True,
         tile_order="paired",
         l2_group_bytes=0,
+        rotate_key_tiles=False,
         separate_o_smem=True,
         exp2_poly_period=0,
         rescale_threshold=8.0,

@@ -31,6 +31,7 @@
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
 #     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups are a tuning candidate: not yet measured against this table's orders)
+#     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time (the rotated order is a tuning candidate for kernels without mask bounds: not yet measured)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
@@ -90,6 +91,7 @@ def make_kernel() -> HopperAttentionForward:
         persistent=True,
         tile_order="heavy_first",
         l2_group_bytes=0,
+        rotate_key_tiles=False,
         separate_o_smem=True,
         exp2_poly_period=0,
         rescale_threshold=8.0,
