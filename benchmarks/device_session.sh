@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# A device session's GPU work in one device call, kernels compiled beforehand on this machine
+# A device session's GPU work in few device calls, kernels compiled beforehand on this machine
 # (the H200 image has no CuTe DSL compiler; see ../shared/device/README.md):
 #
-#   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 8 min;
+#   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 9 min;
 #                                                      # LABELS: schedule_options rows to add
 #   device call 1, carry .devfull/a:                    bash .devfull/a/unpack.sh
 #   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
-#                                                      bash benchmarks/device_session.sh run [SEQLENS LABELS]
+#       bash benchmarks/device_session.sh run PARTS [SEQLENS LABELS]
 #
-# 'run' writes under $OUT: gpu.log (the GPU tests), grid-1.json and grid-2.json (the speed grid,
-# `python benchmarks/run.py report` turns them into the table), variants.json, env.txt and, with
-# SEQLENS and LABELS, schedule.txt. It takes about 400 s without the schedule rows; the device
-# allows 600 s per call.
+# PARTS, comma-separated: tests (the GPU tests, gpu.log, ~20 s), grid (the speed grid,
+# grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
+# (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~1.5 s
+# a row). Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over
+# calls made while the machine is warm (each later call only re-sources the setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=.devcache/kernels
@@ -33,23 +34,32 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolcha
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1
+    local parts=",${1:?PARTS: tests,grid,variants,schedule}," seqlens="${2:-}" labels="${3:-}"
+    set +u; source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1; set -u  # not written for nounset
     chmod -R go-w .devcache  # a cache others can write is refused
     export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/env.txt"
-    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/gpu.log" 2>&1 || true
-    tail -n 1 "$OUT/gpu.log"
-    python3 benchmarks/run.py run --grid full --part 1/2 --out "$OUT/grid-1.json" > "$OUT/grid-1.txt" 2>&1
-    python3 benchmarks/run.py run --grid full --part 2/2 --out "$OUT/grid-2.json" > "$OUT/grid-2.txt" 2>&1
-    python3 benchmarks/variants.py run --out "$OUT/variants.json" > "$OUT/variants.txt" 2>&1
-    if [ -n "${1:-}" ] && [ -n "${2:-}" ]; then
-        python3 benchmarks/schedule_options.py run "$1" "$2" > "$OUT/schedule.txt" 2>&1
+    if [[ $parts == *,tests,* ]]; then
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/gpu.log" 2>&1 || true
+        tail -n 1 "$OUT/gpu.log"
     fi
-    python3 benchmarks/run.py report "$OUT/grid-1.json" "$OUT/grid-2.json" | tail -n 8
+    if [[ $parts == *,schedule,* ]]; then
+        python3 benchmarks/schedule_options.py run "${seqlens:?SEQLENS}" "${labels:?LABELS}" > "$OUT/schedule.txt" 2>&1
+        tail -n 40 "$OUT/schedule.txt"
+    fi
+    if [[ $parts == *,grid,* ]]; then
+        python3 benchmarks/run.py run --grid full --part 1/2 --out "$OUT/grid-1.json" > "$OUT/grid-1.txt" 2>&1
+        python3 benchmarks/run.py run --grid full --part 2/2 --out "$OUT/grid-2.json" > "$OUT/grid-2.txt" 2>&1
+        python3 benchmarks/run.py report "$OUT/grid-1.json" "$OUT/grid-2.json" | tail -n 8
+    fi
+    if [[ $parts == *,variants,* ]]; then
+        python3 benchmarks/variants.py run --out "$OUT/variants.json" > "$OUT/variants.txt" 2>&1
+        tail -n 14 "$OUT/variants.txt"
+    fi
 }
 
 case "${1:-}" in
     warm) shift; warm "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 warm [LABELS] | run [SEQLENS LABELS]" >&2; exit 2 ;;
+    *) echo "usage: $0 warm [LABELS] | run PARTS [SEQLENS LABELS]" >&2; exit 2 ;;
 esac
