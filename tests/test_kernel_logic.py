@@ -1,0 +1,272 @@
+"""The kernel's tile logic, run on the CPU: CuTe DSL executes `@cute.jit` host functions here, so
+these tests call the kernel's own scheduler, tile bounds, key-tile order and mask flags (no GPU,
+no copy of the logic) and check them against brute force.
+
+- Schedules: every order hands out every (query tile, head, batch) exactly once, for persistent
+  grids of any size and for one CTA per unit, with the structure each order promises.
+- Key tiles: for every structural mask, the key tiles a query tile visits are exactly the ones
+  holding a key one of its rows sees (fa4gen.testing.visible_keys, written independently), each
+  once, in the promised order, and every tile that is not fully visible runs the mask code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
+
+import fa4gen
+from fa4gen.kernels.scheduler import TileScheduler
+from fa4gen.kernels.sm90_fwd import TileInfo
+from fa4gen.kernels.variant import VariantArgs
+from fa4gen.testing import visible_keys
+from fa4gen.variants import lower
+
+
+def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int, grid: int, seqlen_k: int,
+          row_bytes: int = 512, order: torch.Tensor | None = None) -> torch.Tensor:
+    """(cta, item, m_block, head, batch, tile) of every valid item of every CTA, in issue order."""
+    units = num_m_blocks * heads * batches
+    rows = grid * (2 * (units // grid + 1))
+    out = torch.full((rows, 6), -1, dtype=torch.int32)
+    order = torch.arange(max(num_m_blocks, 1), dtype=torch.int32) if order is None else order
+
+    @cute.jit
+    def run(out: cute.Tensor, order: cute.Tensor, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32,
+            grid: Int32, seqlen_k: Int32):
+        heads_batches = num_heads * num_batches
+        pairs = scheduler.pairs_now(seqlen_k)
+        group = scheduler.head_group(seqlen_k, heads_batches, row_bytes)
+        items = scheduler.items_per_cta(num_m_blocks, heads_batches, grid, pairs)
+        for cta in cutlass.range(grid, unroll=1):
+            for item in cutlass.range(items, unroll=1):
+                tile = scheduler.tile_of(item, cta, grid, pairs)
+                if scheduler.valid(tile, num_m_blocks, heads_batches, pairs):
+                    m_block, head, batch = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, pairs, group,
+                                                            order)
+                    row = cta * items + item
+                    out[row, 0] = cta
+                    out[row, 1] = item
+                    out[row, 2] = m_block
+                    out[row, 3] = head
+                    out[row, 4] = batch
+                    out[row, 5] = tile
+
+    run(from_dlpack(out), from_dlpack(order), num_m_blocks, heads, batches, grid, seqlen_k)
+    return out[out[:, 0] >= 0]
+
+
+def _assert_every_tile_once(walked: torch.Tensor, num_m_blocks: int, heads: int, batches: int) -> None:
+    seen = sorted(map(tuple, walked[:, 2:5].tolist()))
+    expected = [(m, h, b) for m in range(num_m_blocks) for h in range(heads) for b in range(batches)]
+    assert seen == sorted(expected)
+
+
+SIZES = [(6, 4, 2), (7, 3, 1), (1, 5, 3), (33, 2, 2), (4, 1, 1)]  # (query tiles, heads, batches)
+
+
+@pytest.mark.parametrize("order", ["head_major", "heavy_first", "paired"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
+@pytest.mark.parametrize("grid", [1, 5, 132, 0], ids=lambda g: f"grid{g}" if g else "one-shot")
+def test_every_order_hands_out_every_tile_once(order, size, grid):
+    """Persistent grids smaller and larger than the work, and one CTA per unit (grid 0 here:
+    as many CTAs as work units, as a one-shot launch has)."""
+    scheduler = TileScheduler(order)
+    m, h, b = size
+    if grid == 0:
+        grid = m * h * b if order != "paired" else (m // 2 + m % 2) * h * b
+    walked = _walk(scheduler, m, h, b, grid, seqlen_k=1000)
+    _assert_every_tile_once(walked, m, h, b)
+    if order == "paired":  # an item pair of one CTA: tiles M-1-j and j of one head, equal work
+        for first, second in zip(walked[:-1].tolist(), walked[1:].tolist()):
+            if first[0] == second[0] and first[1] % 2 == 0 and second[1] == first[1] + 1:
+                assert first[2] + second[2] == m - 1 and first[3:5] == second[3:5]
+    if order == "heavy_first":  # each CTA goes from heavier (higher) query tiles to lighter ones
+        for cta in walked[:, 0].unique().tolist():
+            mine = walked[walked[:, 0] == cta][:, 2].tolist()
+            assert mine == sorted(mine, reverse=True)
+
+
+@pytest.mark.parametrize("qhead_per_kvhead", [1, 2])
+@pytest.mark.parametrize("seqlen_k", [1000, 3000, 100000])
+def test_heavy_first_head_groups_fit_the_budget(qhead_per_kvhead, seqlen_k):
+    """Heads go in groups of whole KV heads whose K/V (row_bytes per key) fits the budget; the
+    group is the slowest digit, then the query tile from the heaviest, then the head; the last
+    group may be narrower."""
+    row_bytes, budget_heads = 512, 3
+    scheduler = TileScheduler("heavy_first", group_bytes=budget_heads * 1000 * row_bytes,
+                              qhead_per_kvhead=qhead_per_kvhead)
+    m, heads, batches = 5, 4 * qhead_per_kvhead, 2
+    walked = _walk(scheduler, m, heads, batches, grid=1, seqlen_k=seqlen_k, row_bytes=row_bytes)
+    _assert_every_tile_once(walked, m, heads, batches)
+    heads_batches = heads * batches
+    group = min(max(budget_heads * 1000 // seqlen_k, 1) * qhead_per_kvhead, heads_batches)
+    head_batch = (walked[:, 4] * heads + walked[:, 3]).tolist()
+    groups = [hb // group for hb in head_batch]
+    assert groups == sorted(groups)  # one group after the other
+    for g in set(groups):
+        ranks = [m - 1 - mb for mb, gg in zip(walked[:, 2].tolist(), groups) if gg == g]
+        assert ranks == sorted(ranks)
+        width = min(group, heads_batches - g * group)
+        assert len(ranks) == width * m
+
+
+def test_ranked_heavy_first_follows_the_given_order():
+    """Packed documents: the query tiles come in the order of the run-time ranking."""
+    order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+    walked = _walk(TileScheduler("heavy_first", ranked=True), 5, 2, 1, grid=1, seqlen_k=700, order=order)
+    _assert_every_tile_once(walked, 5, 2, 1)
+    assert walked[:, 2].tolist() == [3, 3, 0, 0, 4, 4, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("seqlen_k, pairs", [(129, True), (130, False)])
+def test_window_pairs_only_while_the_window_cuts_no_row(seqlen_k, pairs):
+    walked = _walk(TileScheduler("paired", pair_limit=129), 4, 2, 1, grid=1, seqlen_k=seqlen_k)
+    _assert_every_tile_once(walked, 4, 2, 1)
+    first_two = walked[:2, 2].tolist()
+    assert first_two == ([3, 0] if pairs else [3, 3])  # pairs, or heaviest first over heads
+
+
+# ----------------------------------------------------------------------------- key tiles
+MAX_EXTRAS = 4  # run-time tensors of the structural masks: documents have four
+def _kernel(spec: fa4gen.AttentionSpec, plan: fa4gen.Plan):
+    """The kernel object exactly as the emitted module builds it."""
+    namespace: dict = {}
+    exec(compile(fa4gen.emit(spec, plan).source, "<emitted>", "exec"), namespace)  # noqa: S102 - our own output
+    kernel = namespace["make_kernel"]()
+    kernel.dtype = cutlass.BFloat16 if spec.dtype == "bfloat16" else cutlass.Float16  # set by __call__
+    return kernel
+
+
+def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
+    """Per (batch, query tile): the visited key tiles in order, whether each runs the mask code,
+    and (n_min, n_max, then per consumer warpgroup the leading tiles it passes by)."""
+    num_m = -(-seqlen_q // kernel.tile_m)
+    num_n = -(-seqlen_k // kernel.tile_n) + 1
+    visit = torch.full((batches * num_m, num_n), -1, dtype=torch.int32)
+    masked = torch.full((batches * num_m, num_n), -1, dtype=torch.int32)
+    bounds = torch.full((batches * num_m, 2 + kernel.num_consumers), -1, dtype=torch.int32)
+    row_bytes = (kernel.dqk + kernel.dv) * 2
+
+    count = len(extras)  # a host function takes tensors one by one: pad to four, keep `count`
+    padded = list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - count)
+
+    @cute.jit
+    def run(visit: cute.Tensor, masked: cute.Tensor, bounds: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32,
+            num_batches: Int32, e0: cute.Tensor, e1: cute.Tensor, e2: cute.Tensor, e3: cute.Tensor):
+        sizes = TileInfo(seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=1, num_batches=num_batches,
+                         num_m_blocks=cute.ceil_div(seqlen_q, kernel.tile_m),
+                         args=VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count]))
+        sizes.heads_batches = num_batches
+        sizes.pairs = kernel.scheduler.pairs_now(seqlen_k)
+        sizes.group = kernel.scheduler.head_group(seqlen_k, sizes.heads_batches, row_bytes)
+        items = kernel.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
+        for item in cutlass.range(items, unroll=1):
+            tile = kernel.scheduler.tile_of(item, 0, 1, sizes.pairs)
+            if kernel.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
+                t = kernel.tile_info(tile, sizes)
+                row = t.batch * sizes.num_m_blocks + t.m_block
+                bounds[row, 0] = t.n_min
+                bounds[row, 1] = t.n_max
+                if cutlass.const_expr(kernel.skips_masked_tiles):  # as consume_tile: per warpgroup
+                    for wg in cutlass.range_constexpr(kernel.num_consumers):
+                        end = kernel.key_tiles.rows_tile_end(t.m_block * kernel.tile_m + wg * 64, t.batch, seqlen_q,
+                                                             seqlen_k, sizes.args)
+                        bounds[row, 2 + wg] = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
+                for i in cutlass.range(t.n_count, unroll=1):
+                    n_block = kernel.key_block(t, i, sizes.args)
+                    visit[row, i] = n_block
+                    flag = Int32(0)
+                    if i == 0:  # the first visited tile always runs the mask (sm90_mainloop)
+                        flag = Int32(1)
+                    if kernel.needs_mask(None, t, i, n_block):
+                        flag = Int32(1)
+                    masked[row, i] = flag
+
+    run(from_dlpack(visit), from_dlpack(masked), from_dlpack(bounds), seqlen_q, seqlen_k, batches,
+        *(from_dlpack(value) for value in padded))
+    return visit, masked, bounds
+
+
+def _extras(spec: fa4gen.AttentionSpec, kernel, seqlen_q: int, batches: int, args: dict) -> tuple:
+    """The run-time tensors the kernel reads, by name (CPU tensors: only their values matter)."""
+    values = dict(args)
+    if spec.is_varlen:
+        cu_q = args["cu_seqlens_q"].long()
+        tokens = torch.arange(seqlen_q)
+        values["doc_ids_q"] = (torch.searchsorted(cu_q, tokens, right=True) - 1).clamp_(0, cu_q.shape[0] - 2).int()
+        values["m_block_order"] = torch.arange(-(-seqlen_q // kernel.tile_m), dtype=torch.int32).flip(0)
+    return tuple(values[extra.name] for extra in lower(spec).extras)
+
+
+KEY_TILE_CASES = {
+    "plain": (dict(head_dim=128), {}),
+    "plain-rotated": (dict(head_dim=128), {"rotate_key_tiles": True}),
+    "plain-d64-rotated": (dict(head_dim=64, softcap=20.0), {"rotate_key_tiles": True}),
+    "causal": (dict(head_dim=128, causal=True), {}),
+    "causal-d64": (dict(head_dim=64, causal=True), {}),
+    "causal-d256": (dict(head_dim=256, causal=True), {}),
+    "window": (dict(head_dim=128, window_left=200, window_right=30), {}),
+    "causal-window": (dict(head_dim=128, causal=True, window_left=300), {}),
+    "causal-window-groups": (dict(head_dim=128, causal=True, window_left=300),
+                             {"tile_order": "heavy_first", "l2_group_bytes": 600 * 512}),
+    "chunked": (dict(head_dim=64, mask={"kind": "chunked", "size": 256}), {}),
+    "prefix-lm": (dict(head_dim=128, mask="prefix_lm"), {}),
+    "documents": (dict(head_dim=128, causal=True, mask="document"), {}),
+    "documents-window": (dict(head_dim=128, window_left=100, window_right=0, mask="document"), {}),
+}
+SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(KEY_TILE_CASES))
+def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(name, shape):
+    fields, plan_update = KEY_TILE_CASES[name]
+    spec = fa4gen.AttentionSpec(**fields)
+    plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
+    kernel = _kernel(spec, plan)
+    seqlen_q, seqlen_k = shape
+    batches, args = 1, {}
+    if spec.mask_kind == "prefix_lm":
+        batches, args = 2, {"prefix_lengths": torch.tensor([seqlen_k // 3, 0], dtype=torch.int32)}
+    if spec.is_varlen:  # documents of several lengths, one without keys, packed to (Sq, Sk)
+        q_docs, k_docs = [seqlen_q // 2, 0, seqlen_q - seqlen_q // 2 - 5, 5], [seqlen_k // 3, 7, 0]
+        k_docs.append(seqlen_k - sum(k_docs))
+        args = {name: torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
+                for name, docs in (("cu_seqlens_q", q_docs), ("cu_seqlens_k", k_docs))}
+    visit, masked, bounds = _key_tiles(kernel, seqlen_q, seqlen_k, batches,
+                                       _extras(spec, kernel, seqlen_q, batches, args))
+    visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)
+    tile_m, tile_n = kernel.tile_m, kernel.tile_n
+    num_m, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    padded = torch.zeros(visible.shape[0], seqlen_q, num_n * tile_n, dtype=torch.bool)
+    padded[:, :, :seqlen_k] = visible[:, 0]  # keys past Sk: never visible
+    for b in range(batches):
+        for m in range(num_m):
+            row = b * num_m + m
+            n_min, n_max = bounds[row, :2].tolist()
+            count = max(n_max - n_min, 0)
+            order = visit[row, :count].tolist()
+            assert sorted(order) == list(range(n_min, n_max)), (b, m)  # each tile of the range once
+            if plan.rotate_key_tiles:
+                assert order[:1] == [n_max - 1 - m % count] if count else order == []
+            else:
+                assert order == list(range(n_max - 1, n_min - 1, -1))
+            rows = padded[min(b, padded.shape[0] - 1), m * tile_m:(m + 1) * tile_m]
+            if kernel.skips_masked_tiles:  # a warpgroup passes by only tiles none of its rows sees
+                for wg in range(kernel.num_consumers):
+                    skip = bounds[row, 2 + wg].item()
+                    assert 0 <= skip <= count
+                    mine = rows[wg * 64:(wg + 1) * 64]
+                    for n in order[:skip]:
+                        assert not mine[:, n * tile_n:(n + 1) * tile_n].any(), (m, wg, n)
+            for n in range(num_n):
+                tile = rows[:, n * tile_n:(n + 1) * tile_n]
+                if tile.any():
+                    assert n in order, f"query tile {m} skips key tile {n}, which holds visible keys"
+                if n in order and not tile.all():
+                    assert masked[row, order.index(n)] == 1, f"query tile {m}: key tile {n} is partial, unmasked"
