@@ -6,7 +6,10 @@ no copy of the logic) and check them against brute force.
   grids of any size and for one CTA per unit, with the structure each order promises.
 - Key tiles: for every structural mask, the key tiles a query tile visits are exactly the ones
   holding a key one of its rows sees (fa4gen.testing.visible_keys, written independently), each
-  once, in the promised order, and every tile that is not fully visible runs the mask code.
+  once, in the promised order; every tile that is not fully visible runs the mask code, and a
+  3-warpgroup kernel's warpgroup passes by only tiles none of its rows sees.
+- Per-thread masking: each thread's wgmma fragment coordinates, row intervals and applied mask
+  reproduce visible_keys score by score.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack
 
 import fa4gen
+from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_fwd import TileInfo
 from fa4gen.kernels.variant import VariantArgs
@@ -203,6 +207,20 @@ def _extras(spec: fa4gen.AttentionSpec, kernel, seqlen_q: int, batches: int, arg
     return tuple(values[extra.name] for extra in lower(spec).extras)
 
 
+def _case_arguments(spec: fa4gen.AttentionSpec, seqlen_q: int, seqlen_k: int) -> tuple[int, dict]:
+    """(batches, run-time values): two batch entries with different prefixes for prefix-LM;
+    for documents, several lengths (one document without queries, one without keys) packed to
+    (Sq, Sk)."""
+    if spec.mask_kind == "prefix_lm":
+        return 2, {"prefix_lengths": torch.tensor([seqlen_k // 3, 0], dtype=torch.int32)}
+    if spec.is_varlen:
+        q_docs, k_docs = [seqlen_q // 2, 0, seqlen_q - seqlen_q // 2 - 5, 5], [seqlen_k // 3, 7, 0]
+        k_docs.append(seqlen_k - sum(k_docs))
+        return 1, {name: torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
+                   for name, docs in (("cu_seqlens_q", q_docs), ("cu_seqlens_k", k_docs))}
+    return 1, {}
+
+
 KEY_TILE_CASES = {
     "plain": (dict(head_dim=128), {}),
     "plain-rotated": (dict(head_dim=128), {"rotate_key_tiles": True}),
@@ -230,14 +248,7 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
     plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
     kernel = _kernel(spec, plan)
     seqlen_q, seqlen_k = shape
-    batches, args = 1, {}
-    if spec.mask_kind == "prefix_lm":
-        batches, args = 2, {"prefix_lengths": torch.tensor([seqlen_k // 3, 0], dtype=torch.int32)}
-    if spec.is_varlen:  # documents of several lengths, one without keys, packed to (Sq, Sk)
-        q_docs, k_docs = [seqlen_q // 2, 0, seqlen_q - seqlen_q // 2 - 5, 5], [seqlen_k // 3, 7, 0]
-        k_docs.append(seqlen_k - sum(k_docs))
-        args = {name: torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
-                for name, docs in (("cu_seqlens_q", q_docs), ("cu_seqlens_k", k_docs))}
+    batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
     visit, masked, bounds = _key_tiles(kernel, seqlen_q, seqlen_k, batches,
                                        _extras(spec, kernel, seqlen_q, batches, args))
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)
@@ -270,3 +281,59 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
                     assert n in order, f"query tile {m} skips key tile {n}, which holds visible keys"
                 if n in order and not tile.all():
                     assert masked[row, order.index(n)] == 1, f"query tile {m}: key tile {n} is partial, unmasked"
+
+
+def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple) -> torch.Tensor:
+    """(batches, M * tile_m, N * tile_n): 0 where the kernel's per-thread masking (row_ranges +
+    apply on each thread's wgmma C fragment) keeps a score, -inf where it masks it."""
+    num_m, num_n = -(-seqlen_q // kernel.tile_m), -(-seqlen_k // kernel.tile_n)
+    out = torch.full((batches * num_m * kernel.tile_m, num_n * kernel.tile_n), float("nan"))
+    count = len(extras)
+    padded = list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - count)
+
+    @cute.jit
+    def run(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, num_batches: Int32,
+            e0: cute.Tensor, e1: cute.Tensor, e2: cute.Tensor, e3: cute.Tensor):
+        args = VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count])
+        num_m_blocks = cute.ceil_div(seqlen_q, kernel.tile_m)
+        qk_mma = kernel._make_qk_mma()
+        identity = cute.make_identity_tensor((64, kernel.tile_n))
+        for batch in cutlass.range(num_batches, unroll=1):
+            for m_block in cutlass.range(num_m_blocks, unroll=1):
+                for wg in cutlass.range_constexpr(kernel.num_consumers):
+                    row_base = m_block * kernel.tile_m + wg * 64
+                    for thread in cutlass.range(128, unroll=1):
+                        coords = rows_cols_view(qk_mma.get_slice(thread).partition_C(identity))
+                        starts, ends = kernel.key_tiles.row_ranges(coords, row_base, batch, seqlen_q, seqlen_k, args)
+                        for n_block in cutlass.range(cute.ceil_div(seqlen_k, kernel.tile_n), unroll=1):
+                            scores = cute.make_rmem_tensor(coords.shape, cutlass.Float32)
+                            scores.fill(0.0)
+                            kernel.key_tiles.apply(scores, coords, starts, ends, n_block * kernel.tile_n)
+                            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                                    out[(batch * num_m_blocks * kernel.tile_m) + row_base + coords[r, 0][0],
+                                        n_block * kernel.tile_n + coords[0, c][1]] = scores[r, c]
+
+    arguments = (from_dlpack(out), seqlen_q, seqlen_k, batches, *(from_dlpack(value) for value in padded))
+    cute.compile(run, *arguments, options="--gpu-arch sm_90a")(*arguments)  # wgmma atoms check the arch
+    return out.view(batches, num_m * kernel.tile_m, num_n * kernel.tile_n)
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000), (300, 1000), (129, 129)], ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", ["causal", "causal-d64", "window", "chunked", "prefix-lm", "documents",
+                                  "documents-window"])
+def test_per_thread_masking_keeps_exactly_the_visible_scores(name, shape):
+    """Every thread's rows and columns of its wgmma fragment (layout.rows_cols_view), the row
+    intervals it computes (masking.row_ranges) and the mask it applies (masking.apply), over
+    every (query tile, key tile), give exactly fa4gen.testing.visible_keys."""
+    fields, plan_update = KEY_TILE_CASES[name]
+    spec = fa4gen.AttentionSpec(**fields)
+    kernel = _kernel(spec, fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update))
+    seqlen_q, seqlen_k = shape
+    batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
+    scores = _masked_scores(kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args))
+    visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)[:, 0].expand(batches, -1, -1)
+    kept = scores[:, :seqlen_q, :seqlen_k] == 0
+    assert not scores[:, :seqlen_q, :seqlen_k].isnan().any(), "a score no thread holds"
+    assert torch.equal(kept, visible)
+    assert (scores[:, :seqlen_q, seqlen_k:] == float("-inf")).all()  # the ragged tile's keys past Sk
