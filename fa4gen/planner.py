@@ -385,6 +385,8 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
         ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
+        ("documents' query tiles in ranked pairs", {"tile_order": "paired"})
+        if spec.is_varlen and base.tile_order == "heavy_first" else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",

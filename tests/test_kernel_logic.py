@@ -127,6 +127,21 @@ def test_ranked_heavy_first_follows_the_given_order():
     assert walked[:, 2].tolist() == [3, 3, 0, 0, 4, 4, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("num_m_blocks", [5, 6])
+def test_ranked_pairs_join_the_heaviest_and_the_lightest(num_m_blocks):
+    """Packed documents in pairs: the j-th heaviest query tile of the ranking, then the j-th
+    lightest (the middle one alone when the count is odd)."""
+    order = torch.tensor({5: [3, 0, 4, 1, 2], 6: [4, 0, 5, 1, 3, 2]}[num_m_blocks], dtype=torch.int32)
+    walked = _walk(TileScheduler("paired", ranked=True), num_m_blocks, 1, 1, grid=1, seqlen_k=700, order=order)
+    _assert_every_tile_once(walked, num_m_blocks, 1, 1)
+    ranking = order.tolist()
+    expected = []
+    for j in range(num_m_blocks // 2):
+        expected += [ranking[j], ranking[num_m_blocks - 1 - j]]
+    expected += [ranking[num_m_blocks // 2]] if num_m_blocks % 2 else []
+    assert walked[:, 2].tolist() == expected
+
+
 @pytest.mark.parametrize("seqlen_k, pairs", [(129, True), (130, False)])
 def test_window_pairs_only_while_the_window_cuts_no_row(seqlen_k, pairs):
     walked = _walk(TileScheduler("paired", pair_limit=129), 4, 2, 1, grid=1, seqlen_k=seqlen_k)
@@ -236,6 +251,7 @@ KEY_TILE_CASES = {
     "prefix-lm": (dict(head_dim=128, mask="prefix_lm"), {}),
     "documents": (dict(head_dim=128, causal=True, mask="document"), {}),
     "documents-window": (dict(head_dim=128, window_left=100, window_right=0, mask="document"), {}),
+    "documents-paired": (dict(head_dim=128, causal=True, mask="document"), {"tile_order": "paired"}),
 }
 SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129)]
 

@@ -15,7 +15,8 @@ Three orders (the plan's ``tile_order``):
   a round run neighbouring query tiles of the group's heads, which read the same K/V tiles at
   about the same time. Packed documents break "higher query tile = more work" (work restarts at every
   document): the caller passes the query tiles ranked by their work (``order``: most first) and
-  the slowest digit indexes that ranking.
+  the slowest digit indexes that ranking (``paired`` pairs the j-th heaviest with the j-th
+  lightest of that ranking).
 - ``paired`` (causal, where query tile m sees m + 1 key tiles): one CTA runs query tile M-1-j and
   then j of the same head, a pair whose work is the same for every j. Pairs are handed out in
   rounds with the pair fastest, then the head: every CTA does equal work per round (a static
@@ -42,8 +43,8 @@ class TileScheduler:
                  qhead_per_kvhead: int = 1):
         assert order in TILE_ORDERS, order
         self.order = order
-        # heavy_first through a run-time ranking of the query tiles (other orders ignore it)
-        self.ranked = ranked and order == "heavy_first"
+        # heavy_first / paired through a run-time ranking of the query tiles (head_major ignores it)
+        self.ranked = ranked and order in ("heavy_first", "paired")
         self.pair_limit = pair_limit if order == "paired" else None
         # heavy_first: the K/V bytes a head group may hold in L2 (0: one group of all heads)
         self.group_bytes, self.qhead_per_kvhead = group_bytes, qhead_per_kvhead
@@ -110,7 +111,7 @@ class TileScheduler:
         heads_batches = num_heads * num_batches
         m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, group, order)
         if pairs:
-            m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
+            m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches, order)
         return m_block, head_batch % num_heads, head_batch // num_heads
 
     # ------------------------------------------------------------------ the orders
@@ -134,15 +135,20 @@ class TileScheduler:
         return m_block, head_batch
 
     @cute.jit
-    def _decode_pairs(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
+    def _decode_pairs(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, order):
         pairs = num_m_blocks // 2
         slot = tile // 2
         head_batch = slot - pairs * heads_batches
         m_block = pairs  # the middle tile of an odd count
+        rank = pairs  # ranked: positions in the ranking, heaviest 0
         if slot < pairs * heads_batches:
             head_batch = slot // pairs
             j = slot % pairs
-            m_block = j
+            m_block = j  # second: the j-th lightest
+            rank = num_m_blocks - 1 - j
             if tile % 2 == 0:
-                m_block = num_m_blocks - 1 - j
+                m_block = num_m_blocks - 1 - j  # first: the j-th heaviest
+                rank = j
+        if cutlass.const_expr(self.ranked):
+            m_block = order[rank]
         return m_block, head_batch
