@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import fa4gen
 from fa4gen import bench
+from fa4gen.planner import candidates
 from fa4gen.testing import attention_flops
 from fa4gen.variants import standard_alibi_slopes
 
@@ -41,6 +42,7 @@ class Variant:
     flex: bool = True
     fa4: bool = False
     make_args: Callable[[Any], dict] = field(default=lambda inputs: {})
+    kernel_plan: fa4gen.Plan | None = None  # a tuning candidate instead of the planner's plan
 
 
 def _spec(name: str, **update) -> fa4gen.AttentionSpec:
@@ -181,6 +183,8 @@ def warm(_args) -> None:
     for spec in variants_for_warm():
         result = fa4gen.build(spec, "sm_90a")
         print(f"{spec.summary():40} {'compiled' if result.any_built_now else 'cached'}", flush=True)
+    result = fa4gen.build(_spec("packed-documents"), "sm_90a", kernel_plan=document_order_candidate())
+    print(f"{'packed documents, ranked pairs':40} {'compiled' if result.built_now else 'cached'}", flush=True)
 
 
 def variants_for_warm() -> list[fa4gen.AttentionSpec]:
@@ -202,7 +206,7 @@ def measure(variant: Variant) -> dict[str, Any]:
     total = variant.batch * variant.seqlen
     flops = attention_flops(spec, 1 if _packed(variant) else variant.batch, total if _packed(variant) else variant.seqlen,
                             total if _packed(variant) else variant.seqlen, q_heads, args)
-    kernel = fa4gen.compile(spec)
+    kernel = fa4gen.compile(spec, kernel_plan=variant.kernel_plan)
     impls: dict[str, Callable | None] = {"fa4gen": lambda q, k, v: kernel(q, k, v, **args)}
     row: dict[str, Any] = {"case": variant.name, "seqlen": variant.seqlen, "batch": variant.batch, "q_heads": q_heads}
     for label, make in (("fa4", lambda: fa4_function(variant, args) if variant.fa4 else None),
@@ -224,6 +228,13 @@ def measure(variant: Variant) -> dict[str, Any]:
     return row
 
 
+def document_order_candidate() -> fa4gen.Plan:
+    """The packed-documents plan with its query tiles in ranked pairs (a `fa4gen tune`
+    candidate; tune's dense inputs cannot time a varlen spec, so it is timed here)."""
+    spec = _spec("packed-documents")
+    return next(p for p in candidates(spec, "sm_90a") if p.tile_order == "paired")
+
+
 def dense_causal_at_document_length() -> dict[str, Any]:
     """The dense causal kernel at the documents' length (same heads, same token count)."""
     spec = _spec("packed-documents", mask=None)
@@ -241,7 +252,12 @@ def run(args) -> None:
         print(bench.format_row(row, ["fa4gen", "fa4", "flex"]), row.get("errors", ""), flush=True)
     dense = dense_causal_at_document_length()
     print(bench.format_row(dense, ["fa4gen"]), flush=True)
-    result = {"environment": _environment(), "rows": rows, "dense_causal_at_document_length": dense}
+    documents = next(v for v in variants() if v.spec.is_varlen)
+    paired = measure(replace(documents, name=f"{documents.name} [ranked pairs]", fa4=False, flex=False,
+                             kernel_plan=document_order_candidate()))
+    print(bench.format_row(paired, ["fa4gen"]), paired.get("errors", ""), flush=True)
+    result = {"environment": _environment(), "rows": rows, "dense_causal_at_document_length": dense,
+              "document_order_candidate": paired}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(bench.markdown_table(rows, ["fa4", "flex"]))
@@ -264,6 +280,10 @@ def report(args) -> None:
     print(f"\nPacked documents {docs['fa4gen']:.0f} TFLOP/s against the dense causal kernel at the document "
           f"length ({dense['seqlen']} tokens, batch {dense['batch']}): {dense['fa4gen']:.0f} TFLOP/s "
           f"({docs['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP).")
+    paired = result.get("document_order_candidate")
+    if paired and paired.get("fa4gen"):
+        print(f"Same documents with the query tiles in ranked pairs (tune candidate): {paired['fa4gen']:.0f} TFLOP/s "
+              f"({paired['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP).")
 
 
 def _environment() -> dict:
