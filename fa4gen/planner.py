@@ -71,6 +71,15 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
+    # (most query rows, row): launches whose longest query sequence is that short run this
+    # second row instead, chosen per call (both compile together; a tile is a compile-time shape)
+    short: tuple[int, TileRow] | None = None
+
+
+SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
+                         "P in registers measured 13-18% faster than the 192-row tiles (H200: 476 vs 406 TFLOP/s at "
+                         "S=512, causal 362 vs 310 at S=1024), whose last tile leaves up to a third of its rows "
+                         "idle; from S=2048 on the 192-row tiles win")
 
 
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
@@ -79,22 +88,13 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers"),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
-            "take 112 of 160 registers, so P goes through shared memory", p_in_registers=False),
+            "take 112 of 160 registers, so P goes through shared memory", p_in_registers=False,
+            short=(1024, SM90_D96_SHORT)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
             "64 on the H200); Q + 2 stages = 224 KB"),
 )
-
-# Second plans for short query sequences, chosen per call by the longest query sequence of the
-# launch (both compile into the cache together): max_head_dim of the row refined -> (most query
-# rows, row). Symbolic sizes serve one plan for every length, but a tile is a compile-time shape.
-SM90_SHORT_TILES: dict[int, tuple[int, TileRow]] = {
-    96: (1024, TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
-                       "P in registers measured 13-18% faster than the 192-row tiles (H200: 476 vs 406 TFLOP/s at "
-                       "S=512, causal 362 vs 310 at S=1024), whose last tile leaves up to a third of its rows "
-                       "idle; from S=2048 on the 192-row tiles win")),
-}
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
 # tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load, so
@@ -236,8 +236,8 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
         consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True, pingpong=row.pingpong, persistent=True,
-        tile_order=tile_order, l2_group_bytes=0, rotate_key_tiles=False, separate_o_smem=separate_o, exp2_poly_period=exp2_period,
-        rescale_threshold=RESCALE_THRESHOLD_LOG2,
+        tile_order=tile_order, l2_group_bytes=0, rotate_key_tiles=False, separate_o_smem=separate_o,
+        exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
@@ -310,10 +310,9 @@ class SeqlenSplit(BaseModel):
 
 
 def _short_sm90(spec: AttentionSpec) -> SeqlenSplit | None:
-    entry = SM90_SHORT_TILES.get(_sm90_row(spec).max_head_dim)
-    if entry is None:
+    if _sm90_row(spec).short is None:
         return None
-    max_seqlen_q, row = entry
+    max_seqlen_q, row = _sm90_row(spec).short
     short = _plan_sm90(spec, row)
     if _schedule(short) == _schedule(_plan_sm90(spec)):  # the variant already chose the same schedule
         return None

@@ -2,10 +2,10 @@
 
 ``tune`` compiles the planner's candidate plans for a spec (``planner.candidates``), times each
 on a few shapes on the current GPU, and records the fastest in the cache directory, keyed by
-(arch, GPU name, spec). The record replaces the planner's default plan; where the planner also
-has a plan for short query sequences, calls that short still run that one. ``fa4gen.compile`` then uses the recorded plan on a GPU of that name;
-everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the planner's table
-applies. Records are small JSON files written atomically; a record that no longer parses as a
+(arch, GPU name, spec). ``fa4gen.compile`` then uses the recorded plan on a GPU of that name
+in place of the planner's default (calls short enough for the planner's short-sequence plan
+still run that one); everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the
+planner's table applies. Records are small JSON files written atomically; a record that no longer parses as a
 Plan (an older fa4gen) is ignored with a warning.
 """
 

@@ -381,7 +381,7 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
 def test_short_sequence_plan_where_the_tile_table_has_one(fields, has_short):
     """d96 (192-row tiles) has a 128-row plan for launches of at most 1024 query rows, measured
     faster there; where the variant already runs 128-row tiles there is nothing to switch to."""
-    from fa4gen.planner import SM90_SHORT_TILES, short_sequence_plan
+    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, short_sequence_plan
 
     spec = AttentionSpec(**fields)
     split = short_sequence_plan(spec, "sm_90a")
@@ -394,7 +394,8 @@ def test_short_sequence_plan_where_the_tile_table_has_one(fields, has_short):
     assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
     assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
     assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
-    assert split.max_seqlen_q == SM90_SHORT_TILES[96][0] == 1024
+    assert split.max_seqlen_q == 1024 and split.reason == SM90_D96_SHORT.reason
+    assert [r.short for r in SM90_FWD_TILES if r.short] == [(1024, SM90_D96_SHORT)]
     assert "1024 query rows" in split.reason and "1024 query rows" in split.describe()
     assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
 
