@@ -161,6 +161,11 @@ def _kernel(spec: fa4gen.AttentionSpec, plan: fa4gen.Plan):
     return kernel
 
 
+def _padded(extras: tuple) -> list:
+    """A host function takes its tensors one by one: the extras padded to MAX_EXTRAS."""
+    return list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - len(extras))
+
+
 def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
     """Per (batch, query tile): the visited key tiles in order, whether each runs the mask code,
     and (n_min, n_max, then per consumer warpgroup the leading tiles it passes by)."""
@@ -171,8 +176,7 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
     bounds = torch.full((batches * num_m, 2 + kernel.num_consumers), -1, dtype=torch.int32)
     row_bytes = (kernel.dqk + kernel.dv) * 2
 
-    count = len(extras)  # a host function takes tensors one by one: pad to four, keep `count`
-    padded = list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - count)
+    count, padded = len(extras), _padded(extras)
 
     @cute.jit
     def run(visit: cute.Tensor, masked: cute.Tensor, bounds: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32,
@@ -304,8 +308,7 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
     apply on each thread's wgmma C fragment) keeps a score, -inf where it masks it."""
     num_m, num_n = -(-seqlen_q // kernel.tile_m), -(-seqlen_k // kernel.tile_n)
     out = torch.full((batches * num_m * kernel.tile_m, num_n * kernel.tile_n), float("nan"))
-    count = len(extras)
-    padded = list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - count)
+    count, padded = len(extras), _padded(extras)
 
     @cute.jit
     def run(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, num_batches: Int32,
