@@ -4,6 +4,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py warm     # any machine: compile every variant
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
+    python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
 """
 
 from __future__ import annotations
@@ -19,38 +20,51 @@ SEQLENS = (4096, 16384, 1024)
 
 def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     out = []
-    from fa4gen.planner import sm90_fits, sm90_refit, sm90_variant
+    from fa4gen.planner import seqlen_splits, sm90_fits, sm90_refit, sm90_variant
 
-    for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)):
-        for causal in (False, True):
-            spec = fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
-            base = fa4gen.plan(spec)
-            out.append(("default", spec, base))
-            out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
-            for step in (16, 32):  # giving up Q and O buffers where they no longer fit
-                wider = sm90_refit(sm90_variant(base, f"{step} more keys per tile", tile_n=base.tile_n + step),
-                                   f"{step} more keys per tile")
-                if sm90_fits(wider):
-                    out.append((f"tile_n+{step}", spec, wider))
-            if base.q_stages == 2:
-                out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
-            if base.tile_order == "paired":
-                heavy = base.model_copy(update={"tile_order": "heavy_first"})
-                out.append(("heavy-first", spec, heavy))  # over all heads at once
-                groups = heavy.model_copy(update={"l2_group_bytes": Arch.SM90A.caps.l2_bytes})
-                out.append(("heavy-groups", spec, groups))  # heads in L2-sized groups
-                out.append(("groups-one-shot", spec, groups.model_copy(update={"persistent": False})))
-            if not causal:  # the CTAs of a head read different K/V tiles at a time
-                out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
-            if d <= 128:
-                out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
-            out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
-            if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
-                two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
-                                    producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
-                if not sm90_fits(two):
-                    two = sm90_variant(two, "one Q buffer", q_stages=1)
-                out.append(("2wg", spec, two))
+    dense = [fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
+             for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)) for causal in (False, True)]
+    window = fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024)
+    for spec in (*dense, window):
+        d, causal = spec.head_dim, spec.causal
+        base = fa4gen.plan(spec)
+        out.append(("default", spec, base))
+        for split in seqlen_splits(spec):  # the planner's plans for length ranges, and flips of them
+            out.append((split.label, spec, split.plan))
+            out.append((f"{split.label}+pingpong-flip", spec, split.plan.model_copy(
+                update={"pingpong": not split.plan.pingpong})))
+            if split.plan.q_stages == 2:
+                out.append((f"{split.label}+one-q", spec, split.plan.model_copy(update={"q_stages": 1})))
+        out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
+        for step in (16, 32):  # giving up Q and O buffers where they no longer fit
+            wider = sm90_refit(sm90_variant(base, f"{step} more keys per tile", tile_n=base.tile_n + step),
+                               f"{step} more keys per tile")
+            if sm90_fits(wider):
+                out.append((f"tile_n+{step}", spec, wider))
+        if base.q_stages == 2:
+            out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
+        if base.tile_order == "paired":
+            heavy = base.model_copy(update={"tile_order": "heavy_first"})
+            out.append(("heavy-first", spec, heavy))  # over all heads at once
+            groups = heavy.model_copy(update={"l2_group_bytes": Arch.SM90A.caps.l2_bytes})
+            out.append(("heavy-groups", spec, groups))  # heads in L2-sized groups
+            one_shot = groups.model_copy(update={"persistent": False})
+            out.append(("groups-one-shot", spec, one_shot))
+            wider = sm90_refit(sm90_variant(one_shot, "16 more keys per tile", tile_n=base.tile_n + 16),
+                               "16 more keys per tile")
+            if sm90_fits(wider):
+                out.append(("groups-one-shot+n16", spec, wider))
+        if not causal:  # the CTAs of a head read different K/V tiles at a time
+            out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
+        if d <= 128:
+            out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
+        out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
+        if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
+            two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
+                                producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
+            if not sm90_fits(two):
+                two = sm90_variant(two, "one Q buffer", q_stages=1)
+            out.append(("2wg", spec, two))
     return out
 
 
@@ -74,7 +88,32 @@ def main(command: str, seqlens: tuple[int, ...] = SEQLENS, labels: tuple[str, ..
             print(f"{label:12} {bench.format_row(bench.bench_case(case, impls), list(impls))}", flush=True)
 
 
+def ab(seqlens: tuple[int, ...], label_a: str, label_b: str) -> None:
+    """Every spec with both rows: A, B, flash-attn-4, B, A timed on the same inputs in one
+    bench_case, so linear drift of the shared GPU favours neither; prints B's mean over A's."""
+    print("matmul ceiling", round(bench.matmul_ceiling_tflops()), flush=True)
+    plans: dict[str, dict[str, fa4gen.Plan]] = {}
+    specs = {}
+    for label, spec, plan in variants():
+        plans.setdefault(spec.summary(), {})[label] = plan
+        specs[spec.summary()] = spec
+    for seqlen in seqlens:
+        for name, by_label in plans.items():
+            if label_a not in by_label or label_b not in by_label:
+                continue
+            case = bench.make_case(specs[name], seqlen)
+            a, b = (fa4gen.compile(specs[name], kernel_plan=by_label[label]) for label in (label_a, label_b))
+            impls = {label_a: a, label_b: b, "fa4": bench.peer_function("fa4", case), f"{label_b}'": b,
+                     f"{label_a}'": a}
+            row = bench.bench_case(case, impls)
+            gain = (row[label_b] + row[f"{label_b}'"]) / (row[label_a] + row[f"{label_a}'"])
+            print(f"{bench.format_row(row, list(impls))}  {label_b}/{label_a}={gain:.3f}", flush=True)
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:] + [""] * 3
-    main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
-         tuple(argv[2].split(",")) if argv[2] else ())
+    if argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B
+        ab(tuple(int(s) for s in argv[1].split(",")), *argv[2].split(","))
+    else:
+        main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
+             tuple(argv[2].split(",")) if argv[2] else ())

@@ -17,8 +17,8 @@ from fa4gen import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, plan, short_sequence_plan
-from fa4gen.runtime import AttentionKernel, ShortKernel, load_function
+from fa4gen.planner import Plan, SeqlenSplit, plan, seqlen_splits
+from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
 
@@ -33,13 +33,12 @@ class BuildResult:
     key: str
     entry: CacheEntry
     built_now: bool
-    # the planner's second plan for short query sequences, built beside the default plan
-    short: BuildResult | None = None
-    short_max_seqlen_q: int = 0
+    # the planner's plans for ranges of query lengths (planner.seqlen_splits), built beside it
+    splits: tuple[tuple[SeqlenSplit, BuildResult], ...] = ()
 
     @property
     def any_built_now(self) -> bool:
-        return self.built_now or (self.short is not None and self.short.built_now)
+        return self.built_now or any(built.built_now for _, built in self.splits)
 
 
 def cache_key_parts(spec: AttentionSpec, kernel_plan: Plan, arch: Arch) -> dict[str, Any]:
@@ -75,8 +74,8 @@ def build(
     kernel_plan: Plan | None = None,
 ) -> BuildResult:
     """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there: the
-    planner's plan and, where the planner has one, its plan for short query sequences
-    (``BuildResult.short``), since ``fa4gen.compile`` runs either per call.
+    planner's plan and its plans for ranges of query lengths (``BuildResult.splits``), since
+    ``fa4gen.compile`` picks among them per call.
 
     ``kernel_plan`` replaces the planner's default and builds only that plan (tuning compares
     candidate plans)."""
@@ -84,17 +83,15 @@ def build(
     cache = cache or KernelCache(cache_dir)
     if kernel_plan is not None:
         return _build_plan(spec, target, kernel_plan, cache, no_compile)
-    return _with_short_plan(_build_plan(spec, target, plan(spec, target), cache, no_compile), cache, no_compile)
+    return _with_splits(_build_plan(spec, target, plan(spec, target), cache, no_compile), cache, no_compile)
 
 
-def _with_short_plan(result: BuildResult, cache: KernelCache, no_compile: bool | None) -> BuildResult:
-    """``result`` with the planner's short-sequence plan built beside it (where it has one)."""
+def _with_splits(result: BuildResult, cache: KernelCache, no_compile: bool | None) -> BuildResult:
+    """``result`` with the planner's plans for ranges of query lengths built beside it."""
     target = Arch.parse(result.plan.arch)
-    split = short_sequence_plan(result.spec, target)
-    if split is None:
-        return result
-    short = _build_plan(result.spec, target, split.plan, cache, no_compile)
-    return replace(result, short=short, short_max_seqlen_q=split.max_seqlen_q)
+    splits = tuple((split, _build_plan(result.spec, target, split.plan, cache, no_compile))
+                   for split in seqlen_splits(result.spec, target))
+    return replace(result, splits=splits)
 
 
 def _build_plan(spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: KernelCache,
@@ -161,8 +158,8 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     Compiles on first use and caches on disk (``FA4GEN_CACHE_DIR``); later processes load the
     artifact in milliseconds. The plan is ``kernel_plan`` if given (then it runs every call), else
     the one ``fa4gen tune`` recorded for this spec on a GPU of this name, else the planner's; in
-    the last two cases calls whose query sequences are short run the planner's short-sequence
-    plan where it has one (``planner.short_sequence_plan``). With ``no_compile`` (or
+    the last two cases calls whose longest query sequence falls in a range of
+    ``planner.seqlen_splits`` run that range's plan. With ``no_compile`` (or
     ``FA4GEN_NO_COMPILE=1``) a cache miss raises ``fa4gen.CacheMiss`` instead of compiling.
     """
     if not isinstance(spec, AttentionSpec):
@@ -173,20 +170,21 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     if kernel_plan is None:
         kernel_plan = _tuned_for_this_device(spec, target, cache)
     result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
-    if not explicit and result.short is None:  # a tuned plan: the short-sequence plan still applies
-        result = _with_short_plan(result, cache, no_compile)
-    short = None if result.short is None else ShortKernel(result.short_max_seqlen_q, _load(result.short, cache))
-    return _load(result, cache, short)
+    if not explicit and not result.splits:  # a tuned plan: the length ranges still apply
+        result = _with_splits(result, cache, no_compile)
+    splits = tuple(SplitKernel(split, _load(built, cache))
+                   for split, built in result.splits)
+    return _load(result, cache, splits)
 
 
-def _load(result: BuildResult, cache: KernelCache, short: ShortKernel | None = None) -> AttentionKernel:
-    """The loaded kernel of one build (memoised per process, with its short-sequence kernel)."""
-    memo_key = (result.key, None if short is None else short.kernel.key, str(cache.root))
+def _load(result: BuildResult, cache: KernelCache, splits: tuple[SplitKernel, ...] = ()) -> AttentionKernel:
+    """The loaded kernel of one build (memoised per process, with its kernels for length ranges)."""
+    memo_key = (result.key, tuple(split.kernel.key for split in splits), str(cache.root))
     with _loaded_lock:
         kernel = _loaded.get(memo_key)
         if kernel is None:
             function = load_function(result.entry.path, result.entry.meta.get("toolchain", toolchain())["cuda"])
             kernel = AttentionKernel(spec=result.spec, plan=result.plan, function=function, key=result.key,
-                                     path=result.entry.path, short=short)
+                                     path=result.entry.path, splits=splits)
             _loaded[memo_key] = kernel
     return kernel

@@ -36,7 +36,7 @@ from fa4gen.api import BUILD_INFO_FILE
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
 from fa4gen.compiler import CompileError
-from fa4gen.planner import Plan, candidates, short_sequence_plan
+from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec, load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -59,8 +59,9 @@ CacheDirOption = Annotated[
 ]
 SpecArgument = Annotated[Path, typer.Argument(help="Spec YAML file.", dir_okay=False, show_default=False)]
 ArchOption = Annotated[str, typer.Option("--arch", help="Target architecture, e.g. sm_90a.")]
-ShortOption = Annotated[bool, typer.Option("--short", help="The planner's plan for short query sequences "
-                                                           "(where it has one).")]
+SeqlenOption = Annotated[Optional[int], typer.Option(
+    "--seqlen", min=1, help="The plan that a launch whose longest query sequence has this many rows runs "
+                            "(the planner splits some specs by length).", show_default=False)]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -175,10 +176,7 @@ def compile_command(
         started = time.perf_counter()
         result = fa4gen.build(spec, arch, cache_dir=root, no_compile=no_compile or None)  # None: env decides
         elapsed = time.perf_counter() - started
-    for built, heading in ((result, ""), (result.short, f"short sequences (at most {result.short_max_seqlen_q} "
-                                                       "query rows):\n")):
-        if built is None:
-            continue
+    for built, heading in ((result, ""), *((b, f"{s.label} sequences ({s.rows()}):\n") for s, b in result.splits)):
         status = _build_status(built.entry, built.built_now, elapsed)
         typer.echo(f"{heading}{built.plan.describe()}\n\nkey     {built.key}\npath    {built.entry.path}\n"
                    f"status  {status}\nsize    {human_size(built.entry.meta.get('size', 0))}")
@@ -198,29 +196,23 @@ def plan_command(
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
-    short: ShortOption = False,
+    seqlen: SeqlenOption = None,
 ) -> None:
     """Show the tile/pipeline schedule for a spec and the reason behind each choice (and the
-    plan for short query sequences, where the planner has one)."""
+    plans for the ranges of query lengths that run another one, where the planner has them)."""
     with _reporting_errors():
         spec = load_spec(spec_file)
-        kernel_plan = _chosen_plan(spec, arch, short)
-        split = None if short else short_sequence_plan(spec, arch)
+        kernel_plan = _chosen_plan(spec, arch, seqlen)
+        splits = () if seqlen is not None else seqlen_splits(spec, arch)
     if as_json:
         typer.echo(kernel_plan.model_dump_json(indent=2))
     else:
-        typer.echo(kernel_plan.describe() + ("" if split is None else f"\n\n{split.describe()}"))
+        typer.echo("\n\n".join([kernel_plan.describe(), *(split.describe() for split in splits)]))
 
 
-def _chosen_plan(spec: AttentionSpec, arch: str, short: bool) -> Plan:
-    """The planner's plan, or with ``short`` its short-sequence plan (an error where none)."""
-    if not short:
-        return fa4gen.plan(spec, arch)
-    split = short_sequence_plan(spec, arch)
-    if split is None:
-        raise ValueError(f"--short: the planner has no short-sequence plan for {spec.summary()} on {arch} "
-                         "(one plan serves every length)")
-    return split.plan
+def _chosen_plan(spec: AttentionSpec, arch: str, seqlen: int | None) -> Plan:
+    """The planner's plan, or with ``seqlen`` the plan that a launch of that length runs."""
+    return fa4gen.plan(spec, arch) if seqlen is None else plan_for_seqlen(spec, arch, seqlen)
 
 
 @app.command("tune")
@@ -228,7 +220,8 @@ def tune_command(
     ctx: typer.Context,
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
-    seqlens: Annotated[str, typer.Option("--seqlens", help="Sequence lengths to time, comma-separated.")] = "2048,8192",
+    seqlens: Annotated[str, typer.Option("--seqlens", help="Sequence lengths to time, comma-separated [default: "
+                                         "2048,8192 where the main plan runs them]", show_default=False)] = "",
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over the candidates (alternating "
                                                                  "direction; even counts cancel drift).")] = 4,
     cache_dir: CacheDirOption = None,
@@ -238,7 +231,7 @@ def tune_command(
     from fa4gen.tuning import tune
 
     with _reporting_errors():
-        lengths = tuple(int(part) for part in seqlens.split(",") if part.strip())
+        lengths = tuple(int(part) for part in seqlens.split(",") if part.strip()) or None
         result = tune(load_spec(spec_file), arch, cache_dir=_cache_root(ctx, cache_dir), seqlens=lengths,
                       log=typer.echo, rounds=rounds)
     typer.echo(f"\nbest: {max(result.rows, key=lambda row: row['score'])['changes']}\nrecorded in {result.path}")
@@ -250,12 +243,12 @@ def emit_command(
     arch: ArchOption = Arch.SM90A.value,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the source here.",
                                                    dir_okay=False)] = None,
-    short: ShortOption = False,
+    seqlen: SeqlenOption = None,
 ) -> None:
     """Print the generated CuTe-DSL source of a spec (or write it to a file)."""
     with _reporting_errors():
         spec = load_spec(spec_file)
-        source = fa4gen.emit(spec, _chosen_plan(spec, arch, short)).source
+        source = fa4gen.emit(spec, _chosen_plan(spec, arch, seqlen)).source
         if output is not None:
             output.write_text(source)
     if output is None:

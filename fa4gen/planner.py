@@ -71,25 +71,37 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
-    # (most query rows, row): launches whose longest query sequence is that short run this
-    # second row instead, chosen per call (both compile together; a tile is a compile-time shape)
-    short: tuple[int, TileRow] | None = None
+    # launches whose longest query sequence is short run another row, chosen per call (both
+    # compile together: a tile is a compile-time shape)
+    short: ShortRow | None = None
 
 
+@dataclass(frozen=True)
+class ShortRow:
+    max_seqlen_q: int  # launches with at most this many query rows run ``row``
+    row: TileRow
+    causal_only: bool = False  # only specs with the causal bound (right_bound 0) take it
+
+
+SM90_D64_SHORT = TileRow(64, 2, 128, 2, True, 0, "d64 causal, at most 1024 query rows: 128-row tiles on 2 "
+                         "warpgroups measured 3-12% faster than the 192-row tiles (H200 grids: 245 vs 238 TFLOP/s "
+                         "at S=512, 312 vs 278 at S=1024), whose diagonal tiles idle more rows; non-causal d64 "
+                         "measured 8-10% slower on them")
 SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
-                         "P in registers measured 13-18% faster than the 192-row tiles (H200: 476 vs 406 TFLOP/s at "
-                         "S=512, causal 362 vs 310 at S=1024), whose last tile leaves up to a third of its rows "
-                         "idle; from S=2048 on the 192-row tiles win")
+                         "P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 "
+                         "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
+                         "its rows idle; from S=2048 on the 192-row tiles win")
+
 
 
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
-            "between softmaxes; S, P, O fit 160 registers"),
+            "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True)),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
             "take 112 of 160 registers, so P goes through shared memory", p_in_registers=False,
-            short=(1024, SM90_D96_SHORT)),
+            short=ShortRow(1024, SM90_D96_SHORT)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
@@ -296,44 +308,63 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
 
 
 class SeqlenSplit(BaseModel):
-    """A second plan for launches whose longest query sequence is short."""
+    """Another plan for launches whose longest query sequence has between ``min_seqlen_q`` and
+    ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_seqlen_q: int  # launches with at most this many query rows per sequence run ``plan``
+    label: str  # names the split: CLI output, golden files (short, long)
+    min_seqlen_q: int = 1
+    max_seqlen_q: int | None = None
     plan: Plan
     reason: str
 
+    def covers(self, seqlen_q: int) -> bool:
+        return self.min_seqlen_q <= seqlen_q and (self.max_seqlen_q is None or seqlen_q <= self.max_seqlen_q)
+
+    def rows(self) -> str:
+        if self.max_seqlen_q is None:
+            return f"at least {self.min_seqlen_q} query rows"
+        return f"at most {self.max_seqlen_q} query rows" if self.min_seqlen_q <= 1 else \
+            f"{self.min_seqlen_q} to {self.max_seqlen_q} query rows"
+
     def describe(self) -> str:
-        return (f"short sequences (at most {self.max_seqlen_q} query rows) run this plan instead: {self.reason}\n"
-                f"{self.plan.describe()}")
+        return f"{self.label} sequences ({self.rows()}) run this plan instead: {self.reason}\n{self.plan.describe()}"
 
 
-def _short_sm90(spec: AttentionSpec) -> SeqlenSplit | None:
-    if _sm90_row(spec).short is None:
-        return None
-    max_seqlen_q, row = _sm90_row(spec).short
-    short = _plan_sm90(spec, row)
-    if _schedule(short) == _schedule(_plan_sm90(spec)):  # the variant already chose the same schedule
-        return None
-    return SeqlenSplit(max_seqlen_q=max_seqlen_q, plan=short, reason=row.reason)
+def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
+    base = _plan_sm90(spec)
+    splits = []
+    short = _sm90_row(spec).short
+    if short is not None and (spec.right_bound == 0 or not short.causal_only):
+        short_plan = _plan_sm90(spec, short.row)
+        if _schedule(short_plan) != _schedule(base):  # the variant may already choose the same schedule
+            splits.append(SeqlenSplit(label="short", max_seqlen_q=short.max_seqlen_q, plan=short_plan,
+                                      reason=short.row.reason))
+    return tuple(splits)
 
 
 _PLANNERS = {Arch.SM90A: _plan_sm90}
-_SHORT_PLANNERS = {Arch.SM90A: _short_sm90}
+_SPLIT_PLANNERS = {Arch.SM90A: _splits_sm90}
 
 
 def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
-    """Lower a spec to the schedule its kernel runs on ``arch``."""
+    """Lower a spec to the schedule its kernel runs on ``arch`` (for the lengths that no
+    ``seqlen_splits`` entry covers)."""
     target = require_supported(arch)
     return _PLANNERS[target](spec)
 
 
-def short_sequence_plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> SeqlenSplit | None:
-    """The plan that launches with short query sequences run instead of ``plan(spec, arch)``
-    (``fa4gen.compile`` picks per call), or None where one plan serves every length."""
+def seqlen_splits(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> tuple[SeqlenSplit, ...]:
+    """The plans that launches with query sequences in a given range run instead of
+    ``plan(spec, arch)`` (``fa4gen.compile`` picks per call; the ranges do not overlap)."""
     target = require_supported(arch)
-    return _SHORT_PLANNERS[target](spec)
+    return _SPLIT_PLANNERS[target](spec)
+
+
+def plan_for_seqlen(spec: AttentionSpec, arch: Arch | str, seqlen_q: int) -> Plan:
+    """The plan a launch whose longest query sequence has ``seqlen_q`` rows runs."""
+    return next((s.plan for s in seqlen_splits(spec, arch) if s.covers(seqlen_q)), plan(spec, arch))
 
 
 # ----------------------------------------------------------------------------- tuning candidates

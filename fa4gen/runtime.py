@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
-from fa4gen.planner import Plan
+from fa4gen.planner import Plan, SeqlenSplit
 from fa4gen.spec import AttentionSpec
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
@@ -81,34 +81,33 @@ class AttentionKernel:
     """
 
     def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None,
-                 short: ShortKernel | None = None):
+                 splits: tuple[SplitKernel, ...] = ()):
         self.spec = spec
         self.plan = plan
         self.key = key
         self.path = path
-        self.short = short  # the kernel of the short-sequence plan, if the planner has one
+        self.splits = splits  # the kernels of the planner's plans for ranges of query lengths
         self._function = function
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
 
     def __repr__(self) -> str:
-        short = "" if self.short is None else f", short (Sq <= {self.short.max_seqlen_q})={self.short.kernel.key[:12]}"
-        return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]}{short})"
+        splits = "".join(f", {s.split.label} ({s.split.rows()})={s.kernel.key[:12]}" for s in self.splits)
+        return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]}{splits})"
 
     def kernel_for(self, seqlen_q: int | None) -> AttentionKernel:
         """The kernel that runs a launch whose longest query sequence is ``seqlen_q`` rows: the
-        short-sequence kernel up to its limit, else this one (also when the length is unknown)."""
-        if self.short is not None and seqlen_q is not None and seqlen_q <= self.short.max_seqlen_q:
-            return self.short.kernel
-        return self
+        kernel of the length range that covers it, else this one (also when the length is unknown)."""
+        covering = (s.kernel for s in self.splits if seqlen_q is not None and s.split.covers(seqlen_q))
+        return next(covering, self)
 
     def __call__(self, q, k, v, *, out=None, lse=None, **variant):
         """Run on torch's current stream. ``out`` / ``lse`` may be preallocated outputs; the
         other keywords are the variant's run-time values (see ``AttentionSpec``): each is
         required exactly when the spec uses it. With a document mask q, k, v are packed
         (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_q``
-        picks the short-sequence kernel where there is one; tiles cover the packed tokens). An
+        picks the kernel of its length range, if any; tiles cover the packed tokens). An
         expression mask runs with a block mask: ``block_mask`` from ``self.block_mask(...)``,
         else one built on the GPU and cached per shape, scalar values and aux tensors."""
         kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
@@ -209,10 +208,10 @@ class AttentionKernel:
 BLOCK_MASK_CACHE_SIZE = 16
 
 
-class ShortKernel(NamedTuple):
-    """The kernel that launches with at most ``max_seqlen_q`` query rows per sequence run."""
+class SplitKernel(NamedTuple):
+    """The kernel that launches whose longest query sequence ``split`` covers run."""
 
-    max_seqlen_q: int
+    split: SeqlenSplit
     kernel: AttentionKernel
 
 

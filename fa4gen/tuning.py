@@ -25,7 +25,7 @@ from typing import Callable
 
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import make_key
-from fa4gen.planner import Plan, candidates, short_sequence_plan
+from fa4gen.planner import Plan, candidates, seqlen_splits
 from fa4gen.spec import AttentionSpec
 
 TUNED_DIR = "tuned"
@@ -100,19 +100,28 @@ def gpu_measure(spec: AttentionSpec, plan: Plan, seqlens: tuple[int, ...], cache
     return results
 
 
+def default_seqlens(splits) -> tuple[int, ...]:
+    """The lengths of ``DEFAULT_SEQLENS`` that no length range covers (a tuned plan replaces only
+    the main plan), else the longest below every range, else ``DEFAULT_SEQLENS``."""
+    free = tuple(s for s in DEFAULT_SEQLENS if not any(split.covers(s) for split in splits))
+    below = min(split.min_seqlen_q for split in splits) - 1 if splits else 0
+    return free or ((below,) if below >= 1 else DEFAULT_SEQLENS)
+
+
 def tune(
     spec: AttentionSpec,
     arch: Arch | str = Arch.SM90A,
     *,
     cache_dir: str | Path | None = None,
-    seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
+    seqlens: tuple[int, ...] | None = None,
     device: str | None = None,
     measure: Callable[[AttentionSpec, Plan, tuple[int, ...], Path | None], list[float]] = gpu_measure,
     log: Callable[[str], None] = lambda line: None,
     rounds: int = DEFAULT_ROUNDS,
 ) -> TuneResult:
     """Time every candidate plan (``rounds`` passes, alternating direction; mean per candidate)
-    and record the one with the best geometric-mean TFLOP/s over ``seqlens``."""
+    and record the one with the best geometric-mean TFLOP/s over ``seqlens`` (default: those of
+    ``DEFAULT_SEQLENS`` that run the planner's main plan, not a length range's)."""
     from fa4gen.cache import KernelCache
 
     target = Arch.parse(arch)
@@ -121,11 +130,15 @@ def tune(
         raise UnsupportedArchError("fa4gen tune times kernels on a GPU: no CUDA device is visible")
     root = KernelCache(cache_dir).root
     plans = candidates(spec, target)
-    split = short_sequence_plan(spec, target)
-    if split is not None and any(seqlen <= split.max_seqlen_q for seqlen in seqlens):
-        warnings.warn(f"fa4gen.compile runs the short-sequence plan for at most {split.max_seqlen_q} query rows: "
-                      f"the tuned plan replaces the default only above that, so time longer seqlens than "
-                      f"{', '.join(str(s) for s in seqlens if s <= split.max_seqlen_q)}", UserWarning, stacklevel=2)
+    splits = seqlen_splits(spec, target)
+    if seqlens is None:
+        seqlens = default_seqlens(splits)
+    for split in splits:
+        covered = [str(seqlen) for seqlen in seqlens if split.covers(seqlen)]
+        if covered:
+            warnings.warn(f"fa4gen.compile runs the planner's {split.label}-sequence plan for {split.rows()}, "
+                          f"whatever is tuned: time lengths outside that range, not {', '.join(covered)}",
+                          UserWarning, stacklevel=2)
     # rounds alternate forward and backward through the candidates, and each candidate scores
     # its mean: a shared GPU drifts (clocks, neighbours) over a tuning run, and with an even
     # number of rounds every candidate's average position in time is the same, so linear drift

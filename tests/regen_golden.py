@@ -4,9 +4,10 @@
     python tests/regen_golden.py --check    # only report which goldens are out of date (exit 1)
 
 Each specs/<stem>.yaml becomes tests/golden/<stem>.<arch>.py holding exactly
-``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``, and where the planner has a plan for short
-query sequences, tests/golden/<stem>.short.<arch>.py with that plan's source. Review the diff before committing: a golden
-change is a change of the generated kernel code.
+``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``, and for each range of query lengths that
+the planner gives another plan (``planner.seqlen_splits``), tests/golden/<stem>.<label>.<arch>.py
+with that plan's source. Review the diff before committing: a golden change is a change of the
+generated kernel code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 import fa4gen
-from fa4gen.planner import short_sequence_plan
+from fa4gen.planner import seqlen_splits
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS_DIR = ROOT / "specs"
@@ -24,16 +25,13 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 ARCHES = ("sm_90a",)
 
 
-def golden_path(stem: str, arch: str, short: bool = False) -> Path:
-    return GOLDEN_DIR / f"{stem}{'.short' if short else ''}.{arch}.py"
+def golden_path(stem: str, arch: str, label: str = "") -> Path:
+    return GOLDEN_DIR / f"{stem}{'.' + label if label else ''}.{arch}.py"
 
 
-def golden_plan(spec: fa4gen.AttentionSpec, arch: str, short: bool = False) -> fa4gen.Plan | None:
-    """The plan a golden renders: the planner's, or its short-sequence plan (None: it has none)."""
-    if not short:
-        return fa4gen.plan(spec, arch)
-    split = short_sequence_plan(spec, arch)
-    return None if split is None else split.plan
+def golden_plans(spec: fa4gen.AttentionSpec, arch: str) -> dict[str, fa4gen.Plan]:
+    """The plans goldens render, by label: "" for the planner's, then one per length range."""
+    return {"": fa4gen.plan(spec, arch), **{split.label: split.plan for split in seqlen_splits(spec, arch)}}
 
 
 def expected_goldens() -> dict[Path, str]:
@@ -41,10 +39,8 @@ def expected_goldens() -> dict[Path, str]:
     for spec_path in sorted(SPECS_DIR.glob("*.yaml")):
         spec = fa4gen.load_spec(spec_path)
         for arch in ARCHES:
-            for short in (False, True):
-                kernel_plan = golden_plan(spec, arch, short)
-                if kernel_plan is not None:
-                    wanted[golden_path(spec_path.stem, arch, short)] = fa4gen.emit(spec, kernel_plan).source
+            for label, kernel_plan in golden_plans(spec, arch).items():
+                wanted[golden_path(spec_path.stem, arch, label)] = fa4gen.emit(spec, kernel_plan).source
     return wanted
 
 

@@ -126,25 +126,26 @@ def test_emit_to_stdout_and_file(tmp_path: Path) -> None:
     assert result.stdout == ""
 
 
-def test_plan_and_emit_show_the_short_sequence_plan(tmp_path: Path) -> None:
-    """d96 has a second plan for short query sequences: `plan` prints it after the default,
-    `--short` selects it in `plan --json` and `emit`, and is an error where there is none."""
-    from fa4gen.planner import short_sequence_plan
+def test_plan_and_emit_show_the_plans_of_length_ranges(tmp_path: Path) -> None:
+    """d96 has a plan for short query sequences: `plan` prints it after the default, and
+    `--seqlen N` selects the plan a launch of N rows runs in `plan --json` and `emit`."""
+    from fa4gen.planner import seqlen_splits
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    split = short_sequence_plan(spec, "sm_90a")
+    (short,) = seqlen_splits(spec, "sm_90a")
+    main = fa4gen.plan(spec, "sm_90a")
     spec_file = write_spec(tmp_path, "head_dim: 96\ncausal: true\n")
     result = run("plan", spec_file)
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{fa4gen.plan(spec, 'sm_90a').describe()}\n\n{split.describe()}"
-    result = run("plan", spec_file, "--short", "--json")
-    assert result.exit_code == 0, result.output
-    assert fa4gen.Plan.model_validate_json(result.stdout) == split.plan
-    result = run("emit", spec_file, "--short")
-    assert result.exit_code == 0, result.output
-    assert result.stdout == fa4gen.emit(spec, split.plan).source
-    assert_one_line_error(run("emit", write_spec(tmp_path, name="d64.yaml"), "--short"), "--short",
-                          "no short-sequence plan")
+    assert result.stdout.strip() == f"{main.describe()}\n\n{short.describe()}"
+    for seqlen, expected in ((1, short.plan), (1024, short.plan), (1025, main), (16384, main)):
+        result = run("plan", spec_file, "--seqlen", str(seqlen), "--json")
+        assert result.exit_code == 0, result.output
+        assert fa4gen.Plan.model_validate_json(result.stdout) == expected
+        result = run("emit", spec_file, "--seqlen", str(seqlen))
+        assert result.exit_code == 0, result.output
+        assert result.stdout == fa4gen.emit(spec, expected).source
+    assert run("plan", spec_file, "--seqlen", "0").exit_code != 0
 
 
 # ----------------------------------------------------------------------------- errors

@@ -34,27 +34,25 @@ def _nvdisasm() -> str | None:
 
 @pytest.fixture(scope="module")
 def artifacts(warm_cache):
-    """Every built kernel: each spec's default plan, and its short-sequence plan where it has one."""
+    """Every built kernel: each spec's default plan, and its plans for length ranges."""
     _, results = warm_cache
     found = dict(results)
-    found.update({f"{name}.short": result.short for name, result in results.items() if result.short is not None})
+    found.update({f"{name}.{split.label}": built for name, result in results.items() for split, built in result.splits})
     return found
 
 
-def test_short_sequence_plans_are_built_beside_the_default(warm_cache):
-    from fa4gen.planner import short_sequence_plan
+def test_length_range_plans_are_built_beside_the_default(warm_cache):
+    from fa4gen.planner import seqlen_splits
 
     _, results = warm_cache
-    with_short = []
+    labels = set()
     for name, result in results.items():
-        split = short_sequence_plan(result.spec, "sm_90a")
-        if split is None:
-            assert result.short is None, name
-            continue
-        with_short.append(name)
-        assert result.short.plan == split.plan and result.short_max_seqlen_q == split.max_seqlen_q, name
-        assert result.short.key != result.key and result.short.entry.path.is_dir(), name
-    assert with_short, "no spec in specs/ has a short-sequence plan: the dispatch would go uncompiled in CI"
+        splits = seqlen_splits(result.spec, "sm_90a")
+        assert [split for split, _ in result.splits] == list(splits), name
+        for split, built in result.splits:
+            labels.add(split.label)
+            assert built.plan == split.plan and built.key != result.key and built.entry.path.is_dir(), name
+    assert labels == {"short"}, "a length range no spec in specs/ has would go uncompiled in CI"
 
 
 def test_every_spec_compiles_to_a_complete_entry(artifacts):

@@ -18,7 +18,7 @@ import pytest
 
 import fa4gen
 from fa4gen.emitter import LOG2E, emit
-from fa4gen.planner import plan, short_sequence_plan
+from fa4gen.planner import plan, seqlen_splits
 from fa4gen.expr import render_cute
 from fa4gen.variants import lower
 from fa4gen.spec import AttentionSpec, dump_spec, load_spec
@@ -28,7 +28,8 @@ SPECS_DIR = TESTS_DIR.parent / "specs"
 GOLDEN_DIR = TESTS_DIR / "golden"
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
 SPEC_IDS = [p.stem for p in SPEC_FILES]
-SHORT_SPEC_FILES = [p for p in SPEC_FILES if short_sequence_plan(load_spec(p), "sm_90a") is not None]
+# (spec file, label) of every length range the planner gives another plan
+SPLIT_GOLDENS = [(p, s.label) for p in SPEC_FILES for s in seqlen_splits(load_spec(p), "sm_90a")]
 ARCH = "sm_90a"
 DIFF_LINES = 40
 
@@ -84,18 +85,19 @@ def test_emit_matches_golden(spec_path):
     assert actual == expected, _golden_mismatch_message(golden, expected, actual)
 
 
-@pytest.mark.parametrize("spec_path", SHORT_SPEC_FILES, ids=[p.stem for p in SHORT_SPEC_FILES])
-def test_short_sequence_plan_matches_golden(spec_path):
-    golden = GOLDEN_DIR / f"{spec_path.stem}.short.{ARCH}.py"
+@pytest.mark.parametrize("spec_path,label", SPLIT_GOLDENS, ids=[f"{p.stem}.{label}" for p, label in SPLIT_GOLDENS])
+def test_length_range_plans_match_golden(spec_path, label):
+    golden = GOLDEN_DIR / f"{spec_path.stem}.{label}.{ARCH}.py"
     assert golden.exists(), f"no golden {golden.name}: run `python tests/regen_golden.py`"
     expected = golden.read_text()
     spec = load_spec(spec_path)
-    actual = emit(spec, short_sequence_plan(spec, ARCH).plan).source
+    split = next(s for s in seqlen_splits(spec, ARCH) if s.label == label)
+    actual = emit(spec, split.plan).source
     assert actual == expected, _golden_mismatch_message(golden, expected, actual)
 
 
 def test_no_stale_goldens():
-    stems = {p.stem for p in SPEC_FILES} | {f"{p.stem}.short" for p in SHORT_SPEC_FILES}
+    stems = {p.stem for p in SPEC_FILES} | {f"{p.stem}.{label}" for p, label in SPLIT_GOLDENS}
     stale = [g.name for g in GOLDEN_DIR.glob("*.py") if g.name.removesuffix(f".{ARCH}.py") not in stems]
     assert not stale, f"goldens without a spec file: {stale}; run `python tests/regen_golden.py`"
 
@@ -116,8 +118,8 @@ def test_regen_golden_check_is_clean():
     module_spec = importlib.util.spec_from_file_location("regen_golden", TESTS_DIR / "regen_golden.py")
     regen = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(regen)
-    assert regen.expected_goldens().keys() == ({GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS}
-                                               | {GOLDEN_DIR / f"{p.stem}.short.{ARCH}.py" for p in SHORT_SPEC_FILES})
+    split_goldens = {GOLDEN_DIR / f"{p.stem}.{label}.{ARCH}.py" for p, label in SPLIT_GOLDENS}
+    assert regen.expected_goldens().keys() == {GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS} | split_goldens
     assert regen.main(["--check"]) == 0
 
 

@@ -68,20 +68,20 @@ def test_matches_reference(name, shape):
         assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
 
 
-def test_short_query_sequences_run_the_short_sequence_plan():
-    """The default callable of a d96 spec carries the planner's short-sequence kernel: launches
-    up to its limit of query rows run it, longer ones the 192-row kernel; both match the
-    reference at the boundary."""
-    from fa4gen.planner import short_sequence_plan
+def test_each_length_range_runs_its_plan():
+    """The default callable of a d96 causal spec carries the planner's kernel for short query
+    sequences: each launch runs the kernel of its length, and both match the reference on
+    either side of the boundary."""
+    from fa4gen.planner import plan_for_seqlen, seqlen_splits
 
     spec = CASES["phi3-mini+lse"]
-    split = short_sequence_plan(spec, "sm_90a")
+    (short,) = seqlen_splits(spec, "sm_90a")
     attn = fa4gen.compile(spec)
-    assert attn.short is not None and attn.short.kernel.plan == split.plan
-    assert attn.short.max_seqlen_q == split.max_seqlen_q and attn.plan.tile_m == 192
-    for seqlen_q in (split.max_seqlen_q, split.max_seqlen_q + 1):
-        assert attn.kernel_for(seqlen_q).plan.tile_m == (128 if seqlen_q <= split.max_seqlen_q else 192)
-        q, k, v, args = variant_inputs(spec, 2, seqlen_q, 1100, seed=seqlen_q, kv_heads=KV_HEADS)
+    assert [(s.split, s.kernel.plan) for s in attn.splits] == [(short, short.plan)]
+    assert attn.plan.tile_m == 192 and short.plan.tile_m == 128
+    for seqlen_q in (short.max_seqlen_q, short.max_seqlen_q + 1):
+        assert attn.kernel_for(seqlen_q).plan == plan_for_seqlen(spec, "sm_90a", seqlen_q)
+        q, k, v, args = variant_inputs(spec, 1, seqlen_q, seqlen_q + 76, seed=seqlen_q, kv_heads=KV_HEADS)
         out, lse = _run_poisoned(spec, attn, q, k, v, args)
         assert_close_to_reference(spec, q, k, v, out, lse, args=args)
 

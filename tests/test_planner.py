@@ -365,39 +365,62 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
 
 
 @pytest.mark.parametrize(
-    "fields, has_short",
+    "fields, labels",
     [
-        ({"head_dim": 96}, True),
-        ({"head_dim": 96, "causal": True}, True),
-        ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, True),
-        ({"head_dim": 96, "causal": True, "window_left": 256}, False),  # the window already runs 2 warpgroups
-        ({"head_dim": 96, "score_mod": "alibi"}, False),
-        ({"head_dim": 64}, False),
-        ({"head_dim": 128, "causal": True}, False),
-        ({"head_dim": 192, "head_dim_v": 128}, False),
-        ({"head_dim": 256}, False),
+        ({"head_dim": 96}, ["short"]),
+        ({"head_dim": 96, "causal": True}, ["short"]),
+        ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, ["short"]),
+        ({"head_dim": 96, "causal": True, "window_left": 256}, []),  # already 2 warpgroups; a window: no pairs
+        ({"head_dim": 96, "score_mod": "alibi"}, []),
+        ({"head_dim": 64}, []),  # the 2-warpgroup tiles measured slower without the causal mask
+        ({"head_dim": 64, "causal": True}, ["short"]),
+        ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
+        ({"head_dim": 128, "causal": True}, []),
+        ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
+        ({"head_dim": 256}, []),
     ],
 )
-def test_short_sequence_plan_where_the_tile_table_has_one(fields, has_short):
-    """d96 (192-row tiles) has a 128-row plan for launches of at most 1024 query rows, measured
-    faster there; where the variant already runs 128-row tiles there is nothing to switch to."""
-    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, short_sequence_plan
+def test_length_ranges_that_run_another_plan(fields, labels):
+    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal),
+    measured faster there; where the variant already runs 128-row tiles there is nothing to
+    switch to."""
+    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, seqlen_splits
 
     spec = AttentionSpec(**fields)
-    split = short_sequence_plan(spec, "sm_90a")
-    assert (split is not None) == has_short
-    if split is None:
-        return
+    splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
+    assert list(splits) == labels
     main = plan(spec, "sm_90a")
-    assert main.num_consumer_warpgroups == 3 and not main.p_in_registers
-    short = split.plan
-    assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
-    assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
-    assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
-    assert split.max_seqlen_q == 1024 and split.reason == SM90_D96_SHORT.reason
-    assert [r.short for r in SM90_FWD_TILES if r.short] == [(1024, SM90_D96_SHORT)]
-    assert "1024 query rows" in split.reason and "1024 query rows" in split.describe()
-    assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
+    if "short" in splits:
+        split = splits["short"]
+        assert main.num_consumer_warpgroups == 3
+        short = split.plan
+        assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
+        assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+        assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
+        assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
+        assert "at most 1024 query rows" in split.describe()
+        assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
+    assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96]
+    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT
+
+
+def test_length_ranges_cover_each_length_once():
+    from fa4gen.planner import SeqlenSplit, plan_for_seqlen, seqlen_splits
+
+    spec = AttentionSpec(head_dim=64, causal=True)
+    splits = seqlen_splits(spec, "sm_90a")
+    main = plan(spec, "sm_90a")
+    for seqlen in (1, 1024, 1025, 4096, 10**6):
+        covering = [s for s in splits if s.covers(seqlen)]
+        assert len(covering) <= 1
+        assert plan_for_seqlen(spec, "sm_90a", seqlen) == (covering[0].plan if covering else main)
+    assert plan_for_seqlen(spec, "sm_90a", 1024).tile_m == 128
+    assert plan_for_seqlen(spec, "sm_90a", 1025) == main
+    middle = SeqlenSplit(label="middle", min_seqlen_q=2048, max_seqlen_q=4096, plan=main, reason="r")
+    long = SeqlenSplit(label="long", min_seqlen_q=8192, plan=main, reason="r")
+    assert [n for n in (2047, 2048, 4096, 4097) if middle.covers(n)] == [2048, 4096]
+    assert [n for n in (8191, 8192, 10**9) if long.covers(n)] == [8192, 10**9]
+    assert (middle.rows(), long.rows()) == ("2048 to 4096 query rows", "at least 8192 query rows")
 
 
 def test_l2_head_groups_are_a_tuning_candidate_of_ordered_plans():

@@ -168,22 +168,27 @@ def test_document_query_tiles_are_ranked_by_work():
     assert sorted(order.tolist()) == list(range(12))
 
 
-def test_short_query_sequences_run_the_short_sequence_kernel():
-    """With a short-sequence kernel attached, launches of at most its limit of query rows go to
-    it (whole: validation, tables and launch), longer ones and unknown lengths to the default."""
-    from fa4gen.planner import short_sequence_plan
-    from fa4gen.runtime import ShortKernel
+def test_each_length_range_runs_its_kernel():
+    """With kernels for length ranges attached, a launch whose longest query sequence falls in a
+    range goes to that range's kernel (whole: validation, tables and launch); other lengths and
+    unknown ones go to the default."""
+    from fa4gen.planner import SeqlenSplit, seqlen_splits
+    from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    split = short_sequence_plan(spec, "sm_90a")
+    (split,) = seqlen_splits(spec, "sm_90a")
+    long_split = SeqlenSplit(label="long", min_seqlen_q=4096, plan=fa4gen.plan(spec, "sm_90a"), reason="a test")
     short = AttentionKernel(spec, split.plan, Recorder(), key="short")
+    long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
     launched = []
     short._launch = lambda q, k, v, **kwargs: launched.append((q.shape, kwargs)) or "short result"
     kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main",
-                             short=ShortKernel(split.max_seqlen_q, short))
+                             splits=(SplitKernel(split, short), SplitKernel(long_split, long)))
     assert kernel.kernel_for(1024) is short and kernel.kernel_for(1) is short
     assert kernel.kernel_for(1025) is kernel and kernel.kernel_for(None) is kernel
-    assert "short (Sq <= 1024)" in repr(kernel)
+    assert kernel.kernel_for(4095) is kernel and kernel.kernel_for(4096) is long and kernel.kernel_for(10**6) is long
+    assert "short (at most 1024 query rows)=short" in repr(kernel)
+    assert "long (at least 4096 query rows)=long" in repr(kernel)
 
     def qkv(seqlen_q):
         return (torch.randn(1, seqlen_q, 2, 96).bfloat16(), torch.randn(1, 9, 2, 96).bfloat16(),

@@ -108,13 +108,18 @@ def test_candidates_differ_in_schedule_not_only_in_reasons():
         assert all(a != b for i, a in enumerate(schedules) for b in schedules[i + 1:])
 
 
-def test_tuning_lengths_that_run_the_short_sequence_plan_are_flagged(tmp_path):
-    """A d96 spec's launches of at most 1024 query rows run the short-sequence plan whatever is
-    tuned: timing the candidates there measures kernels compile() would not run."""
+def test_tuning_lengths_that_run_another_plan_are_flagged(tmp_path):
+    """A d96 spec's launches of at most 1024 query rows run the planner's short-sequence plan
+    whatever is tuned: timing the candidates there measures kernels compile() would not run.
+    By default tune times the lengths outside every range."""
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    with pytest.warns(UserWarning, match="at most 1024 query rows.*longer seqlens than 512"):
-        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(512, 4096),
+    with pytest.warns(UserWarning, match="short-sequence plan for at most 1024 query rows.*not 512"):
+        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(512, 2048),
                     rounds=1)
+    timed = []
+    measure = lambda spec_, plan_, seqlens, root: timed.append(seqlens) or _fake_measure(spec_, plan_, seqlens, root)
+    tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=measure, rounds=1)
+    assert set(timed) == {(2048, 8192)}
     import warnings
 
     with warnings.catch_warnings():
@@ -123,13 +128,26 @@ def test_tuning_lengths_that_run_the_short_sequence_plan_are_flagged(tmp_path):
                     rounds=1)
 
 
-def test_compile_attaches_the_short_sequence_kernel_unless_a_plan_is_given(tmp_path, monkeypatch):
-    """compile() of a d96 spec loads the short-sequence kernel beside the planner's plan and
-    beside a tuned plan, but an explicit kernel_plan runs alone (tests and tuning time exactly it)."""
-    from fa4gen.planner import short_sequence_plan
+def test_default_tuning_lengths_avoid_the_length_ranges():
+    from fa4gen.planner import SeqlenSplit
+
+    main = fa4gen.plan(fa4gen.AttentionSpec(head_dim=128, causal=True), "sm_90a")
+    short = SeqlenSplit(label="short", max_seqlen_q=1024, plan=main, reason="r")
+    long = SeqlenSplit(label="long", min_seqlen_q=4096, plan=main, reason="r")
+    assert tuning.default_seqlens(()) == tuning.DEFAULT_SEQLENS == (2048, 8192)
+    assert tuning.default_seqlens((short, long)) == (2048,)
+    assert tuning.default_seqlens((SeqlenSplit(label="all", plan=main, reason="r"),)) == (2048, 8192)
+    assert tuning.default_seqlens((SeqlenSplit(label="mid", min_seqlen_q=1024, plan=main, reason="r"),)) == (1023,)
+
+
+def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_path, monkeypatch):
+    """compile() of a d96 causal spec loads the kernels of the planner's length ranges beside its
+    plan and beside a tuned plan, but an explicit kernel_plan runs alone (tests and tuning time
+    exactly it)."""
+    from fa4gen.planner import seqlen_splits
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    split = short_sequence_plan(spec, "sm_90a")
+    ranges = seqlen_splits(spec, "sm_90a")
     tuned = candidates(spec, "sm_90a")[1]
     built = []
 
@@ -138,8 +156,8 @@ def test_compile_attaches_the_short_sequence_kernel_unless_a_plan_is_given(tmp_p
         return api.BuildResult(spec=spec_, plan=kernel_plan, key=kernel_plan.canonical_json(), entry=None,
                                built_now=False)
 
-    def fake_load(result, cache, short=None):
-        return result.plan, short
+    def fake_load(result, cache, splits=()):
+        return result.plan, splits
 
     monkeypatch.setattr(api, "_build_plan", fake_build_plan)
     monkeypatch.setattr(api, "_load", fake_load)
@@ -148,10 +166,10 @@ def test_compile_attaches_the_short_sequence_kernel_unless_a_plan_is_given(tmp_p
         monkeypatch.setattr(tuning, "current_device_name", lambda: device)
         tuning.record_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200", tuned, [])
         built.clear()
-        plan_, short = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path, kernel_plan=explicit)
+        plan_, splits = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path, kernel_plan=explicit)
         assert plan_ == main
         if explicit is None:
-            assert built == [main, split.plan]
-            assert short.max_seqlen_q == split.max_seqlen_q and short.kernel == (split.plan, None)
+            assert built == [main, *(s.plan for s in ranges)]
+            assert [(s.split, s.kernel) for s in splits] == [(s, (s.plan, ())) for s in ranges]
         else:
-            assert built == [main] and short is None
+            assert built == [main] and splits == ()
