@@ -10,8 +10,9 @@
 #
 # PARTS, comma-separated: tests (the GPU tests, gpu.log, ~20 s), grid (the speed grid,
 # grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
-# (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~1.5 s
-# a row). Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over
+# (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~0.3 s
+# a row; rows rank options only past this machine's 20% first-timing spread: decide with
+# `schedule_options.py ab SEQLENS A,B` and again with B,A). Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over
 # calls made while the machine is warm (each later call only re-sources the setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -288,14 +288,14 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "off for large d: the long P.V MMAs already cover the softmax; turns would only add waits",
         "l2_group_bytes": f"the heads of the heaviest-first order go in groups whose K/V fits {f['l2_group_bytes']} "
         "bytes of L2, so the CTAs running together read the same K/V tiles (FlashAttention-3's longest-first order)"
-        if f["l2_group_bytes"] else "one group of all heads (L2-sized head groups are a tuning candidate: not yet "
-        "measured against this table's orders)",
+        if f["l2_group_bytes"] else "one group of all heads (L2-sized head groups, a tuning candidate, measured "
+        "0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)",
         "rotate_key_tiles": "query tile m visits its key tiles from m below the top and around, so the CTAs "
         "of one head read different K/V tiles at a time" if f["rotate_key_tiles"] else "key tiles from the "
-        "highest down: the CTAs of one head read the same K/V tile at about the same time (the rotated order "
-        "is a tuning candidate for kernels without mask bounds: not yet measured)",
+        "highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the "
+        "rotated order, a tuning candidate, measured 0.87-1.02x on the H200)",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
-        "consumers finish this one",
+        "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
         "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
         "next tile's Q loads during this tile's epilogue" if f["separate_o_smem"] else
         "no room for an O buffer: O is staged over each warpgroup's own Q rows",

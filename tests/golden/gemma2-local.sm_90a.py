@@ -26,10 +26,10 @@
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
 #     pingpong                   False      off for large d: the long P.V MMAs already cover the softmax; turns would only add waits
-#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one
+#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA; a causal window at d > 192 does not choose pairs at run time (the choice costs registers that its 64-key tiles do not have: SASS spilled)
-#     l2_group_bytes             0          one group of all heads (L2-sized head groups are a tuning candidate: not yet measured against this table's orders)
-#     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time (the rotated order is a tuning candidate for kernels without mask bounds: not yet measured)
+#     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
+#     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     separate_o_smem            False      no room for an O buffer: O is staged over each warpgroup's own Q rows
 #     exp2_poly_period           0          d <= 256: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
