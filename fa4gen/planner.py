@@ -93,7 +93,6 @@ SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 
                          "its rows idle; from S=2048 on the 192-row tiles win")
 
 
-
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
@@ -313,7 +312,7 @@ class SeqlenSplit(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    label: str  # names the split: CLI output, golden files (short, long)
+    label: str  # names the range in CLI output and golden files (e.g. short)
     min_seqlen_q: int = 1
     max_seqlen_q: int | None = None
     plan: Plan
