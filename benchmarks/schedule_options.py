@@ -64,6 +64,8 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
             out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
         if d <= 128:
             out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
+        else:  # warpgroups that take turns also stagger their tile changes
+            out.append(("pingpong", spec, base.model_copy(update={"pingpong": True})))
         out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
         if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
             two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
