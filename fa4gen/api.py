@@ -131,7 +131,7 @@ def _tuned_for_this_device(spec: AttentionSpec, target: Arch, cache: KernelCache
     return None if device is None else tuning.tuned_plan(cache.root, spec, target, device)
 
 
-_loaded: dict[tuple[str, str | None, str], AttentionKernel] = {}
+_loaded: dict[tuple[str, tuple[str, ...], str], AttentionKernel] = {}
 _caches: dict[str, KernelCache] = {}
 _loaded_lock = threading.Lock()
 
@@ -166,11 +166,9 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = _process_cache(cache_dir)
-    explicit = kernel_plan is not None
-    if kernel_plan is None:
-        kernel_plan = _tuned_for_this_device(spec, target, cache)
-    result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan)
-    if not explicit and not result.splits:  # a tuned plan: the length ranges still apply
+    tuned = None if kernel_plan is not None else _tuned_for_this_device(spec, target, cache)
+    result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan or tuned)
+    if tuned is not None:  # build() adds the length ranges beside the planner's plan only
         result = _with_splits(result, cache, no_compile)
     splits = tuple(SplitKernel(split, _load(built, cache))
                    for split, built in result.splits)

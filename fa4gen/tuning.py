@@ -3,8 +3,8 @@
 ``tune`` compiles the planner's candidate plans for a spec (``planner.candidates``), times each
 on a few shapes on the current GPU, and records the fastest in the cache directory, keyed by
 (arch, GPU name, spec). ``fa4gen.compile`` then uses the recorded plan on a GPU of that name
-in place of the planner's default (calls short enough for the planner's short-sequence plan
-still run that one); everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the
+in place of the planner's default (calls in a length range of ``planner.seqlen_splits`` still
+run that range's plan); everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the
 planner's table applies. Records are small JSON files written atomically; a record that no longer parses as a
 Plan (an older fa4gen) is ignored with a warning.
 """
@@ -25,7 +25,7 @@ from typing import Callable
 
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import make_key
-from fa4gen.planner import Plan, candidates, seqlen_splits
+from fa4gen.planner import Plan, SeqlenSplit, candidates, seqlen_splits
 from fa4gen.spec import AttentionSpec
 
 TUNED_DIR = "tuned"
@@ -100,7 +100,7 @@ def gpu_measure(spec: AttentionSpec, plan: Plan, seqlens: tuple[int, ...], cache
     return results
 
 
-def default_seqlens(splits) -> tuple[int, ...]:
+def default_seqlens(splits: tuple[SeqlenSplit, ...]) -> tuple[int, ...]:
     """The lengths of ``DEFAULT_SEQLENS`` that no length range covers (a tuned plan replaces only
     the main plan), else the longest below every range, else ``DEFAULT_SEQLENS``."""
     free = tuple(s for s in DEFAULT_SEQLENS if not any(split.covers(s) for split in splits))
