@@ -5,10 +5,13 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
     python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
+    python benchmarks/schedule_options.py combine AB.txt BA.txt        # both orders of an ab: B/A
 """
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 
 import fa4gen
@@ -32,7 +35,7 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
         for split in seqlen_splits(spec):  # the planner's plans for length ranges, and flips of them
             out.append((split.label, spec, split.plan))
             out.append((f"{split.label}+pingpong-flip", spec, split.plan.model_copy(
-                update={"pingpong": not split.plan.pingpong})))
+                update={"pingpong": not split.plan.pingpong, "turnless_edges": False})))
             if split.plan.q_stages == 2:
                 out.append((f"{split.label}+one-q", spec, split.plan.model_copy(update={"q_stages": 1})))
         out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
@@ -63,10 +66,15 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
         if not causal:  # the CTAs of a head read different K/V tiles at a time
             out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
         if d <= 128:
-            out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False})))
+            out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False})))
+            # a tile's first Q.K^T and last P.V outside the turns (flash-attn-4's Hopper path)
+            out.append(("turnless-edges", spec, base.model_copy(update={"turnless_edges": True})))
         else:  # warpgroups that take turns also stagger their tile changes
             out.append(("pingpong", spec, base.model_copy(update={"pingpong": True})))
-        out.append(("serial", spec, base.model_copy(update={"pingpong": False, "intra_warpgroup_overlap": False})))
+        if base.mask_runs:  # one loop over the key tiles, a mask flag per tile (before session 6)
+            out.append(("mask-flags", spec, base.model_copy(update={"mask_runs": False})))
+        out.append(("serial", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False,
+                                                            "intra_warpgroup_overlap": False})))
         if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
             two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
                                 producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
@@ -121,9 +129,35 @@ def ab(seqlens: tuple[int, ...], label_a: str, label_b: str) -> None:
                   flush=True)
 
 
+RATIO = re.compile(r"^(?P<spec>\S.*?)\s+S=(?P<seqlen>\d+)\s.*\s(?P<b>[\w+-]+)/(?P<a>[\w+-]+)=(?P<ratio>[\d.]+)")
+
+
+def combine(first: str, second: str) -> None:
+    """Two ab outputs with the labels in both orders: per cell, B over A as the geometric mean of
+    the first file's ratio and the inverted second's (the position effect cancels), then overall."""
+    cells: dict[tuple[str, str], list[float]] = {}
+    names = None
+    for path, invert in ((first, False), (second, True)):
+        for line in open(path):
+            m = RATIO.match(line)
+            if m:
+                ratio = float(m["ratio"])
+                names = names or (m["b"], m["a"])
+                cells.setdefault((m["spec"].strip(), m["seqlen"]), []).append(1 / ratio if invert else ratio)
+    both = {cell: math.sqrt(r[0] * r[1]) for cell, r in cells.items() if len(r) == 2}
+    for (spec, seqlen), ratio in both.items():
+        print(f"{spec:36} S={seqlen:>6}  {names[0]}/{names[1]}={ratio:.3f}")
+    if both:
+        mean = math.exp(sum(map(math.log, both.values())) / len(both))
+        print(f"geometric mean over {len(both)} cells: {mean:.3f} (min {min(both.values()):.3f}, "
+              f"max {max(both.values()):.3f})")
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:] + [""] * 3
-    if argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B
+    if argv[0] == "combine":  # schedule_options.py combine AB.txt BA.txt
+        combine(argv[1], argv[2])
+    elif argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B
         ab(tuple(int(s) for s in argv[1].split(",")), *argv[2].split(","))
     else:
         main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,

@@ -123,8 +123,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
         other_wgs = 5 - base.num_consumer_warpgroups  # 2 <-> 3
         producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other_wgs]
         flips = {
-            "serial": {"intra_warpgroup_overlap": False, "pingpong": False},
-            "pingpong": {"pingpong": not base.pingpong},
+            "serial": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False},
+            "pingpong": {"pingpong": not base.pingpong, "turnless_edges": False},
+            "turnless-edges": {"turnless_edges": not base.turnless_edges} if base.pingpong else None,
+            "mask-runs": {"mask_runs": not base.mask_runs} if spec.has_mask else None,  # structural here
             "persistent": {"persistent": not base.persistent},
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;

@@ -225,6 +225,8 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "return_lse": spec.return_lse,
         "intra_warpgroup_overlap": kernel_plan.intra_warpgroup_overlap,
         "pingpong": kernel_plan.pingpong,
+        "turnless_edges": kernel_plan.turnless_edges,
+        "mask_runs": kernel_plan.mask_runs,
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,
         "l2_group_bytes": kernel_plan.l2_group_bytes,

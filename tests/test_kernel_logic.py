@@ -206,7 +206,15 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                     flag = Int32(0)
                     if i == 0:  # the first visited tile always runs the mask (sm90_mainloop)
                         flag = Int32(1)
-                    if kernel.needs_mask(None, t, i, n_block):
+                    if cutlass.const_expr(kernel.mask_runs):  # the run the tile falls in decides
+                        right_end, left_start = kernel.mask_run_bounds(t, 0)
+                        if cutlass.const_expr(kernel.has_right_mask):
+                            if i < right_end:
+                                flag = Int32(1)
+                        if cutlass.const_expr(kernel.has_left_mask):
+                            if i >= left_start:
+                                flag = Int32(1)
+                    elif kernel.needs_mask(None, t, i, n_block):
                         flag = Int32(1)
                     masked[row, i] = flag
 
@@ -256,6 +264,9 @@ KEY_TILE_CASES = {
     "documents": (dict(head_dim=128, causal=True, mask="document"), {}),
     "documents-window": (dict(head_dim=128, window_left=100, window_right=0, mask="document"), {}),
     "documents-paired": (dict(head_dim=128, causal=True, mask="document"), {"tile_order": "paired"}),
+    "causal-flags": (dict(head_dim=128, causal=True), {"mask_runs": False}),
+    "window-flags": (dict(head_dim=128, window_left=200, window_right=30), {"mask_runs": False}),
+    "documents-flags": (dict(head_dim=128, causal=True, mask="document"), {"mask_runs": False}),
 }
 SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129)]
 

@@ -82,6 +82,8 @@ class HopperAttentionForward(Sm90MainLoop):
         return_lse: bool = False,
         intra_warpgroup_overlap: bool = True,
         pingpong: bool = False,
+        turnless_edges: bool = False,
+        mask_runs: bool = False,
         persistent: bool = True,
         tile_order: str = "head_major",
         separate_o_smem: bool = True,
@@ -118,6 +120,8 @@ class HopperAttentionForward(Sm90MainLoop):
         self.return_lse = return_lse
         self.overlap = intra_warpgroup_overlap
         self.pingpong = pingpong and num_consumer_warpgroups > 1
+        # a query tile's first Q.K^T and last P.V take no ping-pong turn (sm90_mainloop.py)
+        self.turnless_edges = turnless_edges
         self.persistent = persistent
         self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right, chunk, prefix_lm, document)
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
@@ -131,6 +135,9 @@ class HopperAttentionForward(Sm90MainLoop):
         self.rotate_key_tiles = rotate_key_tiles
         assert not rotate_key_tiles or (not self.key_tiles.structural and mask_mod is None), \
             "rotated key tiles need a kernel without mask bounds"
+        # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
+        # bounds order them (structural masks; a block mask's list has no order)
+        self.mask_runs = mask_runs and self.key_tiles.structural and mask_mod is None
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
                                        qhead_per_kvhead=qhead_per_kvhead)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
@@ -294,10 +301,13 @@ class HopperAttentionForward(Sm90MainLoop):
         """This consumer warpgroup's O staging tile (its own, or over its Q rows) and P tile
         (None when P stays in registers)."""
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
+        # the offsets are whole swizzle atoms (stmatrix needs its 16-byte alignment kept)
         if cutlass.const_expr(self.o_over_q):
-            o_ptr = cute.recast_ptr(sQ.iterator + wg * self.q_stage_elems, sO_stage.inner, self.dtype)
+            offset = cute.assume(wg * self.q_stage_elems, divby=SMEM_ALIGN // 2)
+            o_ptr = cute.recast_ptr(sQ.iterator + offset, sO_stage.inner, self.dtype)
         else:
-            o_ptr = cute.recast_ptr(storage.sO.data_ptr() + wg * cute.cosize(sO_stage), sO_stage.inner, self.dtype)
+            offset = cute.assume(wg * cute.cosize(sO_stage), divby=SMEM_ALIGN // 2)
+            o_ptr = cute.recast_ptr(storage.sO.data_ptr() + offset, sO_stage.inner, self.dtype)
         sP = None
         if cutlass.const_expr(not self.p_in_registers):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
@@ -420,7 +430,7 @@ class HopperAttentionForward(Sm90MainLoop):
             coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
             p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
-            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg,
+            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg, wtidx=wtidx,
         )
 
     @cute.jit
@@ -473,9 +483,21 @@ class HopperAttentionForward(Sm90MainLoop):
         return q_state, k_state, v_state
 
     @cute.jit
+    def stage_o(self, loop, sO: cute.Tensor):
+        """Round O to the output type and write it to its staging tile with stmatrix (8x8 16-bit
+        matrices, a quarter of the shared-memory stores of element pairs)."""
+        pv_mma = self._make_pv_mma()
+        stmatrix = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                          pv_mma)
+        thr_store = stmatrix.get_slice(loop.wtidx)
+        o_low = cute.make_rmem_tensor(pv_mma.get_slice(loop.wtidx).partition_shape_C((64, self.dv)), self.dtype)
+        convert_into(loop.acc_o, o_low)
+        cute.copy(stmatrix, thr_store.retile(o_low), thr_store.partition_D(sO))
+
+    @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
         """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's Q
-        rows), TMA-store it (clipped to Sq rows and Dv columns) and write the LSE."""
+        rows; stmatrix), TMA-store it (clipped to Sq rows and Dv columns) and write the LSE."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         sink = None
         if cutlass.const_expr(self.sinks):
@@ -489,7 +511,7 @@ class HopperAttentionForward(Sm90MainLoop):
             if storing:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
-        convert_into(loop.acc_o, loop.thr_pv.partition_C(sO))
+        self.stage_o(loop, sO)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
         gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))

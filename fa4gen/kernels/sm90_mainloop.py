@@ -5,13 +5,18 @@ Two schedules, chosen by the plan:
 - overlapped (FA3's intra-warpgroup overlap): S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
   together, and the softmax of S(n) runs while the tensor cores finish P.V.
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
-warpgroup's softmax fills the time another's MMAs hold the tensor cores.
+warpgroup's softmax fills the time another's MMAs hold the tensor cores. With turnless edges a
+query tile's first Q.K^T and last P.V are issued outside the turns (flash-attn-4's Hopper path
+does the same), so a warpgroup changes tile (last P.V, epilogue, first S and softmax) without
+waiting on the others; every warpgroup then takes n_count - 1 turns per query tile.
 
 Key tiles run from the highest down (or in a block mask's list order, or, without mask bounds
 and with rotated key tiles, from an offset per query tile): the first tile always runs the mask
-(it may hold the diagonal or the ragged end of Sk); after it, a run-time flag per tile says
-whether it crosses a mask bound (see masking.py), is the ragged end of Sk (rotated) or, with a
-block mask, is partial, so interior and full tiles skip the mask code. The highest tiles of a query
+(it may hold the diagonal or the ragged end of Sk). After it, with mask runs, the tiles crossing
+the right bound, the interior and the tiles crossing the left bound (masking.py) are three loops
+traced with and without the mask code; otherwise a run-time flag per tile says whether it crosses
+a bound, is the ragged end of Sk (rotated) or, with a block mask, is partial. Either way interior
+and full tiles skip the mask code. The highest tiles of a query
 tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
 Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
@@ -42,7 +47,7 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
+    pingpong, turnless_edges, mask_runs, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
     score_mod, mask_mod, key_tiles, softmax and key_block()."""
 
     @cute.jit
@@ -52,14 +57,19 @@ class Sm90MainLoop:
         3 warpgroups, where a 192-row tile's diagonal makes that common); returns the advanced K
         and V pipeline states."""
         if cutlass.const_expr(self.skips_masked_tiles):
-            for _ in cutlass.range(tile.skip, unroll=1):
-                k_state, v_state = self.skip_tile(loop, k_state, v_state)
+            # a warpgroup that sees no key tile passes its first one by as an edge (turnless, as
+            # the first Q.K^T it stands for): the turn count per tile stays the visible path's
+            edge_skips = tile.skip - cutlass.min(tile.skip, tile.n_count - 1)
+            for _ in cutlass.range(tile.skip - edge_skips, unroll=1):
+                k_state, v_state = self.skip_tile(loop, k_state, v_state, False)
+            for _ in cutlass.range(edge_skips, unroll=1):
+                k_state, v_state = self.skip_tile(loop, k_state, v_state, True)
             if tile.skip < tile.n_count:
                 k_state, v_state = self.visible_tiles(loop, tile, tile.skip, k_state, v_state)
             else:
-                # nothing visible: the turn of the P.V product that never comes still passes
-                self.wait_turn(loop.warpgroup)
-                self.pass_turn(loop.warpgroup)
+                # nothing visible: the turn of the last P.V that never comes still passes
+                self.wait_turn(loop.warpgroup, edge=True)
+                self.pass_turn(loop.warpgroup, edge=True)
         else:
             k_state, v_state = self.visible_tiles(loop, tile, 0, k_state, v_state)
         return k_state, v_state
@@ -70,29 +80,60 @@ class Sm90MainLoop:
         first = self.key_block(tile, start, loop.args)
         if cutlass.const_expr(self.overlap):
             k_state = self.first_tile(loop, tile, first, k_state)
-            for i in cutlass.range(start + 1, tile.n_count, unroll=1):
-                n_block = self.key_block(tile, i, loop.args)
-                k_state, v_state = self.overlapped_tile(
-                    loop, tile, n_block, k_state, v_state, self.needs_mask(loop, tile, i, n_block)
-                )
-            v_state = self.pv_product(loop, v_state)
         else:
             k_state = self.serial_tile(loop, tile, first, k_state, True)
-            for i in cutlass.range(start + 1, tile.n_count, unroll=1):
-                n_block = self.key_block(tile, i, loop.args)
-                k_state = self.serial_tile(loop, tile, n_block, k_state, self.needs_mask(loop, tile, i, n_block))
+        if cutlass.const_expr(self.mask_runs):
+            # key tiles go from the highest down: those crossing the right bound, the interior,
+            # those crossing the left bound; each run is its own loop, traced with or without
+            # the mask code, so no key tile branches on a flag
+            right_end, left_start = self.mask_run_bounds(tile, start)
+            if cutlass.const_expr(self.has_right_mask):
+                k_state, v_state = self.key_tile_run(loop, tile, start + 1, right_end, k_state, v_state, True)
+            k_state, v_state = self.key_tile_run(loop, tile, right_end, left_start, k_state, v_state, False)
+            if cutlass.const_expr(self.has_left_mask):
+                k_state, v_state = self.key_tile_run(loop, tile, left_start, tile.n_count, k_state, v_state, True)
+        else:
+            k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
+        if cutlass.const_expr(self.overlap):
+            v_state = self.pv_product(loop, v_state)
+        else:
             v_state = k_state.clone()
         return k_state, v_state
 
     @cute.jit
-    def skip_tile(self, loop, k_state, v_state):
+    def mask_run_bounds(self, tile, start: Int32):
+        """(right_end, left_start) of the mask runs: visited tiles start+1 .. right_end-1 cross
+        the right bound, left_start .. n_count-1 the left bound, those between are interior
+        (key tile n_max-1-i is the i-th visited, and the bounds split_lo <= split_hi order them)."""
+        right_end = cutlass.max(cutlass.min(tile.n_max - tile.split_hi, tile.n_count), start + 1)
+        left_start = cutlass.max(cutlass.min(tile.n_max - tile.split_lo, tile.n_count), right_end)
+        return right_end, left_start
+
+    @cute.jit
+    def key_tile_run(self, loop, tile, begin: Int32, end: Int32, k_state, v_state, masked):
+        """Visited key tiles begin .. end-1 after the first; ``masked``: True or False for the whole
+        run, or None for a run-time flag per tile (see needs_mask)."""
+        for i in cutlass.range(begin, end, unroll=1):
+            n_block = self.key_block(tile, i, loop.args)
+            flag = masked
+            if cutlass.const_expr(masked is None):
+                flag = self.needs_mask(loop, tile, i, n_block)
+            if cutlass.const_expr(self.overlap):
+                k_state, v_state = self.overlapped_tile(loop, tile, n_block, k_state, v_state, flag)
+            else:
+                k_state = self.serial_tile(loop, tile, n_block, k_state, flag)
+        return k_state, v_state
+
+    @cute.jit
+    def skip_tile(self, loop, k_state, v_state, edge: bool):
         """A key tile masked for every row of this warpgroup: its K and V stages are waited for
         (never released before the producer filled them) and released untouched; with ping-pong
-        the warpgroup still takes and passes its turn, so the turn ring stays in step."""
+        the warpgroup still takes and passes the turn its MMAs would have taken (``edge``: it
+        stands in for a tile's first Q.K^T), so the turn ring stays in step."""
         loop.pipe_k.consumer_wait(k_state)
         loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup)
-        self.pass_turn(loop.warpgroup)
+        self.wait_turn(loop.warpgroup, edge)
+        self.pass_turn(loop.warpgroup, edge)
         loop.pipe_k.consumer_release(k_state)
         loop.pipe_v.consumer_release(v_state)
         k_state.advance()
@@ -121,16 +162,20 @@ class Sm90MainLoop:
         return masked
 
     # ------------------------------------------------------------------ ping-pong turns
+    def _takes_turn(self, edge: bool) -> bool:
+        """Whether an MMA issue takes a ping-pong turn (``edge``: a tile's first Q.K^T or last P.V)."""
+        return self.pingpong and not (edge and self.turnless_edges)
+
     @cute.jit
-    def wait_turn(self, wg: Int32):
+    def wait_turn(self, wg: Int32, edge: bool = False):
         """Block until the previous warpgroup has issued its MMAs."""
-        if cutlass.const_expr(self.pingpong):
+        if cutlass.const_expr(self._takes_turn(edge)):
             cute.arch.barrier(barrier_id=TURN_BARRIER_BASE + wg, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def pass_turn(self, wg: Int32):
+    def pass_turn(self, wg: Int32, edge: bool = False):
         """Let the next warpgroup issue its MMAs (ours are queued)."""
-        if cutlass.const_expr(self.pingpong):
+        if cutlass.const_expr(self._takes_turn(edge)):
             following = (wg + 1) % self.num_consumers
             cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + following, number_of_threads=2 * WARPGROUP_THREADS)
 
@@ -223,10 +268,10 @@ class Sm90MainLoop:
         """Overlapped schedule, prologue: S and P of the first tile; its P.V waits for the next."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         loop.pipe_k.consumer_wait(k_state)
-        self.wait_turn(loop.warpgroup)
+        self.wait_turn(loop.warpgroup, edge=True)
         warpgroup.fence()
         self.issue_qk(loop, acc_s, k_state.index)
-        self.pass_turn(loop.warpgroup)
+        self.pass_turn(loop.warpgroup, edge=True)
         warpgroup.wait_group(0)
         loop.pipe_k.consumer_release(k_state)
         self.scores_to_probs(loop, tile, acc_s, n_block, True)  # O is still zero: no correction
@@ -261,10 +306,10 @@ class Sm90MainLoop:
     def pv_product(self, loop, v_state):
         """Overlapped schedule, epilogue: the last tile's P.V."""
         loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup)
+        self.wait_turn(loop.warpgroup, edge=True)
         warpgroup.fence()
         self.issue_pv(loop, v_state.index)
-        self.pass_turn(loop.warpgroup)
+        self.pass_turn(loop.warpgroup, edge=True)
         warpgroup.wait_group(0)
         loop.pipe_v.consumer_release(v_state)
         v_state.advance()
