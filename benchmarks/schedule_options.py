@@ -71,6 +71,8 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
             out.append(("turnless-edges", spec, base.model_copy(update={"turnless_edges": True})))
         else:  # warpgroups that take turns also stagger their tile changes
             out.append(("pingpong", spec, base.model_copy(update={"pingpong": True})))
+        # the K stage released after the softmax, so the P.V wait follows the whole softmax
+        out.append(("pinned", spec, base.model_copy(update={"pinned_pv_wait": True})))
         if base.mask_runs:  # one loop over the key tiles, a mask flag per tile (before session 6)
             out.append(("mask-flags", spec, base.model_copy(update={"mask_runs": False})))
         out.append(("serial", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False,

@@ -127,6 +127,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "pingpong": {"pingpong": not base.pingpong, "turnless_edges": False},
             "turnless-edges": {"turnless_edges": not base.turnless_edges} if base.pingpong else None,
             "mask-runs": {"mask_runs": not base.mask_runs} if spec.has_mask else None,  # structural here
+            "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
             "persistent": {"persistent": not base.persistent},
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;

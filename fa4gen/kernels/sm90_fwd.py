@@ -84,6 +84,7 @@ class HopperAttentionForward(Sm90MainLoop):
         pingpong: bool = False,
         turnless_edges: bool = False,
         mask_runs: bool = False,
+        pinned_pv_wait: bool = False,
         persistent: bool = True,
         tile_order: str = "head_major",
         separate_o_smem: bool = True,
@@ -138,6 +139,8 @@ class HopperAttentionForward(Sm90MainLoop):
         # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
         # bounds order them (structural masks; a block mask's list has no order)
         self.mask_runs = mask_runs and self.key_tiles.structural and mask_mod is None
+        # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
+        self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
                                        qhead_per_kvhead=qhead_per_kvhead)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,

@@ -3,7 +3,8 @@
 Two schedules, chosen by the plan:
 - serial: each MMA is waited for before the softmax that needs it;
 - overlapped (FA3's intra-warpgroup overlap): S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
-  together, and the softmax of S(n) runs while the tensor cores finish P.V.
+  together, and the softmax of S(n) runs while the tensor cores finish P.V (with a pinned P.V
+  wait, see release_after: ptxas would otherwise hoist the wait above most of the softmax).
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
 warpgroup's softmax fills the time another's MMAs hold the tensor cores. With turnless edges a
 query tile's first Q.K^T and last P.V are issued outside the turns (flash-attn-4's Hopper path
@@ -47,7 +48,7 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, turnless_edges, mask_runs, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
+    pingpong, turnless_edges, mask_runs, pinned_pv_wait, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
     score_mod, mask_mod, key_tiles, softmax and key_block()."""
 
     @cute.jit
@@ -292,8 +293,11 @@ class Sm90MainLoop:
         self.issue_pv(loop, v_state.index)
         self.pass_turn(loop.warpgroup)
         warpgroup.wait_group(1)
-        loop.pipe_k.consumer_release(k_state)
+        if cutlass.const_expr(not self.pinned_pv_wait):
+            loop.pipe_k.consumer_release(k_state)
         correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
+        if cutlass.const_expr(self.pinned_pv_wait):
+            self.release_after(loop.pipe_k, k_state, loop.row_sum)
         warpgroup.wait_group(0)
         loop.pipe_v.consumer_release(v_state)
         self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
@@ -301,6 +305,23 @@ class Sm90MainLoop:
         k_state.advance()
         v_state.advance()
         return k_state, v_state
+
+    @cute.jit
+    def release_after(self, pipe, state, row_sum: cute.Tensor):
+        """``pipe.consumer_release(state)`` issued only once every row sum is known.
+
+        ptxas keeps an mbarrier arrive ahead of a later wgmma wait but, as the wait has no
+        operands, otherwise schedules the wait as early as it can: in the overlapped tile it put
+        the P.V wait after 11-26 of 66 exponentials, so the warpgroup sat out its own P.V instead
+        of computing its softmax meanwhile. The arrive's barrier index carries a term that is
+        always 0 (a sum of exponentials is never negative, and NaN compares false) but that
+        ptxas cannot know, so the arrive, and the wait behind it, follow the whole softmax."""
+        total = row_sum[0]
+        for r in cutlass.range_constexpr(1, cute.size(row_sum)):
+            total = total + row_sum[r]
+        never = Int32(cutlass.select_(total < Float32(0.0), Int32(1), Int32(0)))
+        if pipe.is_signaling_thread:
+            pipe.sync_object_empty.arrive(state.index + never, pipe.consumer_mask)
 
     @cute.jit
     def pv_product(self, loop, v_state):
