@@ -28,7 +28,8 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     dense = [fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
              for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)) for causal in (False, True)]
     window = fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024)
-    for spec in (*dense, window):
+    alibi = fa4gen.AttentionSpec(head_dim=128, causal=True, score_mod="alibi")  # a score_mod in every loop body
+    for spec in (*dense, window, alibi):
         d, causal = spec.head_dim, spec.causal
         base = fa4gen.plan(spec)
         out.append(("default", spec, base))

@@ -444,3 +444,30 @@ def test_rotated_key_tiles_are_a_tuning_candidate_without_mask_bounds():
         spec = AttentionSpec(head_dim=128, **fields)
         assert not plan(spec, "sm_90a").rotate_key_tiles
         assert any(p.rotate_key_tiles for p in candidates(spec, "sm_90a")) == offered, fields
+
+
+def test_mask_runs_follow_the_structural_bounds():
+    """Masked and interior key tiles run in separate loops wherever structural bounds order them
+    (causal, windows, chunks, prefix-LM, documents), never for an expression mask (its block
+    list has no such order) nor without a mask; where they apply, `fa4gen tune` may flip them."""
+    for fields, runs in (({}, False), ({"causal": True}, True), ({"window_left": 64, "window_right": 8}, True),
+                         ({"mask": {"kind": "chunked", "size": 256}}, True), ({"mask": "prefix_lm"}, True),
+                         ({"causal": True, "mask": "document"}, True), ({"softcap": 30.0}, False),
+                         ({"mask": {"kind": "expression", "expr": "kv_idx <= q_idx"}}, False)):
+        spec = AttentionSpec(head_dim=128, **fields)
+        base = plan(spec, "sm_90a")
+        assert base.mask_runs is runs, fields
+        assert any(p.mask_runs != runs for p in candidates(spec, "sm_90a")) is runs, fields
+
+
+def test_measured_schedule_options_are_tuning_candidates_off_in_the_table():
+    """Turnless tile edges (ping-pong plans only) and the pinned P.V wait (overlapped plans)
+    measured no faster on the H200: off in the table, offered to `fa4gen tune`."""
+    for head_dim in (64, 128, 256):
+        spec = AttentionSpec(head_dim=head_dim, causal=True)
+        base = plan(spec, "sm_90a")
+        assert not base.turnless_edges and not base.pinned_pv_wait
+        found = candidates(spec, "sm_90a")
+        assert any(p.pinned_pv_wait for p in found)
+        assert any(p.turnless_edges for p in found) is base.pingpong, head_dim
+        assert all(p.pingpong or not p.turnless_edges for p in found)
