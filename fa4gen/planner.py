@@ -301,9 +301,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "per cell on the H200, 1.00x over 8 cells)",
         "turnless_edges": "a query tile's first Q.K^T and last P.V are issued outside the ping-pong turns "
         "(as flash-attn-4's Hopper path does): a warpgroup changes tile without waiting on the others"
-        if f["turnless_edges"] else "every MMA issue takes a ping-pong turn (turnless first and last MMAs of a "
-        "query tile, a tuning candidate, measured 0.97-1.03x per cell, 0.995x over 14 cells on the H200)" if f["pingpong"]
-        else "no ping-pong: no turns to take",
+        if f["turnless_edges"] else
+        "every MMA issue takes a ping-pong turn (turnless first and last MMAs of a "
+        "query tile, a tuning candidate, measured 0.97-1.03x per cell, 0.995x over 14 cells on the H200)"
+        if f["pingpong"] else "no ping-pong: no turns to take",
         "mask_runs": "key tiles crossing a mask bound and interior ones run in separate loops, traced with and "
         "without the mask code: no key tile branches on a mask flag (measured on the H200 against one loop with a flag "
         "per tile: 1.04x over 12 causal and window cells, 1.10x at d128 causal S=8192)" if f["mask_runs"] else

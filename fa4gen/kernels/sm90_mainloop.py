@@ -3,8 +3,9 @@
 Two schedules, chosen by the plan:
 - serial: each MMA is waited for before the softmax that needs it;
 - overlapped (FA3's intra-warpgroup overlap): S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
-  together, and the softmax of S(n) runs while the tensor cores finish P.V (with a pinned P.V
-  wait, see release_after: ptxas would otherwise hoist the wait above most of the softmax).
+  together, and the softmax of S(n) runs while the tensor cores finish P.V (ptxas moves the P.V
+  wait above most of the softmax unless the plan pins it there, see release_after; with
+  ping-pong the other warpgroups' MMAs fill that wait).
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
 warpgroup's softmax fills the time another's MMAs hold the tensor cores. With turnless edges a
 query tile's first Q.K^T and last P.V are issued outside the turns (flash-attn-4's Hopper path
@@ -48,8 +49,9 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, turnless_edges, mask_runs, pinned_pv_wait, p_in_registers, skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse,
-    score_mod, mask_mod, key_tiles, softmax and key_block()."""
+    pingpong, turnless_edges, mask_runs, pinned_pv_wait, p_in_registers, skips_masked_tiles,
+    has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod, mask_mod,
+    key_tiles, softmax and key_block()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
