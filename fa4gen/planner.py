@@ -263,11 +263,9 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
 
 
 def _mask_runs_apply(spec: AttentionSpec) -> bool:
-    """Whether structural bounds order the key tiles into masked and interior runs (an expression
-    mask's block list has no such order)."""
-    structural = spec.right_bound is not None or spec.left_bound is not None or spec.mask_kind in (
-        "chunked", "prefix_lm", "document")
-    return structural and spec.mask_kind != "expression"
+    """Whether structural bounds order the key tiles into masked and interior runs: any mask but
+    an expression (its block list has no such order, with or without bounds beside it)."""
+    return spec.has_mask and spec.mask_kind != "expression"
 
 
 def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:

@@ -138,7 +138,9 @@ class HopperAttentionForward(Sm90MainLoop):
             "rotated key tiles need a kernel without mask bounds"
         # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
         # bounds order them (structural masks; a block mask's list has no order)
-        self.mask_runs = mask_runs and self.key_tiles.structural and mask_mod is None
+        self.mask_runs = mask_runs
+        assert not mask_runs or (self.key_tiles.structural and mask_mod is None), \
+            "mask runs need structural mask bounds and no block mask"
         # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
         self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
