@@ -40,6 +40,9 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
             if split.plan.q_stages == 2:
                 out.append((f"{split.label}+one-q", spec, split.plan.model_copy(update={"q_stages": 1})))
         out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
+        narrower = sm90_variant(base, "16 fewer keys per tile", tile_n=base.tile_n - 16)
+        if sm90_fits(narrower):  # short causal sequences: less of the diagonal computed and thrown away
+            out.append(("tile_n-16", spec, narrower))
         for step in (16, 32):  # giving up Q and O buffers where they no longer fit
             wider = sm90_refit(sm90_variant(base, f"{step} more keys per tile", tile_n=base.tile_n + step),
                                f"{step} more keys per tile")

@@ -17,7 +17,7 @@ from fa4gen.spec import AttentionSpec
 
 WARPGROUP_MMA_M = 64  # rows of one Hopper warpgroup MMA
 MMA_K_GRANULE = 16  # K extent of one 16-bit wgmma; head dims are zero-padded (by TMA) to this
-SMEM_RESERVE_BYTES = 1024  # mbarriers and alignment slack
+SMEM_RESERVE_BYTES = 1024  # mbarriers, the tile info words (sm90_fwd.publish_tile) and alignment slack
 
 
 class Plan(BaseModel):

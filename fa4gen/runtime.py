@@ -143,8 +143,10 @@ class AttentionKernel:
         given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
                  "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
         if varlen and all(isinstance(t, torch.Tensor) and t.ndim == 1 and t.dtype == torch.int32
-                          and t.shape[0] >= 2 for t in (cu_seqlens_q, cu_seqlens_k)):
-            given["doc_ids_q"], given["m_block_order"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
+                          and t.shape == cu_seqlens_q.shape and t.shape[0] >= 2 for t in (cu_seqlens_q, cu_seqlens_k)):
+            # (malformed cu_seqlens build nothing: variant_arguments names what is wrong)
+            given["doc_key_ranges"], given["m_block_order"] = self._document_tables(cu_seqlens_q, cu_seqlens_k,
+                                                                                    seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
         if self._lowered.mask is not None:
@@ -162,25 +164,12 @@ class AttentionKernel:
         return (out, lse) if self.spec.return_lse else out
 
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
-        """(document of every packed query token, query tiles ranked by work): kept while both
-        cu_seqlens are the same unmodified tensors. The kernel then finds a row's document with
-        one load, and its persistent schedule hands out the heaviest query tiles first (work
-        restarts at every document, so tile order alone does not rank it)."""
-        import torch
-
+        """``document_tables`` for this kernel's tiles, kept while both cu_seqlens are the same
+        unmodified tensors."""
         key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k)) + (total,)
         if self._doc_tables[0] != key:
-            cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
-            tokens = torch.arange(total, device=cu_q.device)
-            docs = (torch.searchsorted(cu_q, tokens, right=True) - 1).clamp_(0, cu_q.shape[0] - 2)
-            tile_m, tile_n = self.plan.tile_m, self.plan.tile_n
-            first = torch.arange(0, total, tile_m, device=cu_q.device)
-            last = (first + tile_m).clamp(max=total) - 1
-            start, _ = _document_interval(self.spec, first, docs[first], cu_q, cu_k)
-            _, end = _document_interval(self.spec, last, docs[last], cu_q, cu_k)
-            work = (-(-end // tile_n) - start // tile_n).clamp(min=0)
-            order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
-            self._doc_tables = (key, (docs.to(torch.int32), order))
+            tables = document_tables(self.spec, self.plan.tile_m, self.plan.tile_n, cu_seqlens_q, cu_seqlens_k, total)
+            self._doc_tables = (key, tables)
         return self._doc_tables[1]
 
     def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, aux=None, device="cuda"):
@@ -224,18 +213,31 @@ def _longest_query(spec: AttentionSpec, q, max_seqlen_q) -> int | None:
     return shape[1] if shape is not None and len(shape) == 4 else None
 
 
-def _document_interval(spec: AttentionSpec, rows, docs, cu_q, cu_k):
-    """[start, end) of the keys packed query rows see (torch; as the kernel's masking.row_range
-    for documents): the row's document, causal / window bounds aligned to its end."""
+def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q, cu_seqlens_k, total: int):
+    """The kernel's document tables for ``total`` packed query rows (torch, on cu_seqlens' device):
+    - key ranges, (total, 2) int32: the [start, end) of packed keys each row sees (its document's
+      keys, causal / window bounds aligned to the document's end; end == start: none). The kernel
+      reads a row's range with one load where cu_seqlens would take two dependent ones, at every
+      query tile's start, on the consumers' critical path;
+    - the query tiles ranked by their work, most first (int32): the persistent schedule hands out
+      the heaviest first (work restarts at every document, so tile order alone does not rank it)."""
     import torch
 
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    rows = torch.arange(total, device=cu_q.device)
+    docs = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp_(0, cu_q.shape[0] - 2)
     start, end = cu_k[docs], cu_k[docs + 1]
     position = rows + end - cu_q[docs + 1]
     if spec.right_bound is not None:
         end = torch.minimum(end, position + spec.right_bound + 1)
     if spec.left_bound is not None:
         start = torch.maximum(start, position - spec.left_bound)
-    return start, torch.maximum(end, start)
+    end = torch.maximum(end, start)
+    first = torch.arange(0, total, tile_m, device=cu_q.device)
+    last = (first + tile_m).clamp(max=total) - 1
+    work = (-(-end[last] // tile_n) - start[first] // tile_n).clamp(min=0)
+    order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), order
 
 
 def _identity(value):
@@ -393,9 +395,11 @@ def _check_scalar(extra: Extra, value: Any):
 
 def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dict[str, Any] | None,
                       max_seqlens: tuple = (None, None), lowered=None) -> list[Any]:
-    """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch."""
-    extras = (lowered or lower(spec)).extras
-    wanted = {e.role for e in extras}
+    """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch, as are
+    the call inputs they derive from."""
+    lowered = lowered or lower(spec)
+    extras = lowered.extras
+    wanted = {e.role for e in (*lowered.inputs, *extras)}
     for name, value in given.items():
         if value is not None and name not in wanted:
             raise ValueError(f"{name}= was given, but the spec ({spec.summary()}) does not use it")
@@ -418,7 +422,7 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     if order is not None:  # built by the callable from the plan's tile_m, like the block mask
         sizes["M"] = order.shape[0]
     values = []
-    for extra in extras:
+    for extra in (*lowered.inputs, *extras):  # the inputs first: the kernel's tables come from them
         if extra.role == "scalar":
             if extra.name not in aux:
                 raise ValueError(f"aux[{extra.name!r}] is missing: the spec declares scalar {extra.name} ({extra.dtype})")
@@ -434,5 +438,6 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
         if extra.role == "cu_seqlens_q" and docs < 2:
             raise ValueError("cu_seqlens_q needs at least 2 entries (0 and the total)")
         _check_extra_tensor(extra, value, sizes, q.device)
-        values.append(value)
+        if extra in extras:
+            values.append(value)
     return values

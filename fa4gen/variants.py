@@ -23,10 +23,11 @@ Dim = Union[int, str]  # an integer, a size name (B, Hq, Hkv, Sq, Sk), "docs+1",
 
 @dataclass(frozen=True)
 class Extra:
-    """One run-time argument of the kernel after num_ctas."""
+    """One run-time value: a kernel argument after num_ctas (``Lowered.extras``) or a call input
+    the callable derives kernel arguments from (``Lowered.inputs``)."""
 
     name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
-    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_ids_q", "m_block_order",
+    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_key_ranges", "m_block_order",
                   "block_count", "block_index",
                   "block_full", "alibi_slopes", "rel_bias", "aux", "scalar"]
     dtype: Literal["float32", "int32"]
@@ -41,7 +42,10 @@ class Extra:
 class Lowered:
     score: Expression | None  # the score modifier (applied to the scaled score, before softcap)
     mask: Expression | None  # an expression mask (ANDed with the structural masks)
-    extras: tuple[Extra, ...]
+    extras: tuple[Extra, ...]  # the kernel's run-time arguments, in order
+    # call arguments checked like extras that the kernel does not take: the callable derives
+    # kernel tables from them (cu_seqlens -> every query row's key range)
+    inputs: tuple[Extra, ...] = ()
 
 
 _KIND = {"float32": "float", "int32": "int"}
@@ -72,16 +76,19 @@ def _builtin_score(spec: AttentionSpec) -> tuple[str | None, list[Extra]]:
 def lower(spec: AttentionSpec) -> Lowered:
     """Parse the spec's expressions against its declarations; raise ValueError naming the field."""
     extras: list[Extra] = []
+    inputs: list[Extra] = []
     if spec.sinks:
         extras.append(Extra("sinks", "sinks", "float32", ("Hq",)))
     if spec.mask_kind == "prefix_lm":
         extras.append(Extra("prefix_lengths", "prefix_lengths", "int32", ("B",)))
     if spec.mask_kind == "document":
-        extras += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
-                   Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",)),
-                   # the document of every query token, derived from cu_seqlens_q by the caller
-                   Extra("doc_ids_q", "doc_ids_q", "int32", ("Sq",)),
-                   # query tiles ranked by their work, most first (the persistent schedule's order)
+        inputs += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
+                   Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",))]
+        # derived from cu_seqlens by the callable (fa4gen.runtime.document_tables): every packed
+        # query row's [start, end) of packed keys, document and causal / window bounds applied
+        # (one load per row, no dependent loads), and the query tiles ranked by work, most first
+        # (the persistent schedule's order)
+        extras += [Extra("doc_key_ranges", "doc_key_ranges", "int32", ("Sq", 2)),
                    Extra("m_block_order", "m_block_order", "int32", ("M",))]
     if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
         extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
@@ -100,7 +107,7 @@ def lower(spec: AttentionSpec) -> Lowered:
         score = _parse_field("score_mod", score_text, tensors, scalars, score=True, result="number")
     if spec.mask_kind == "expression":
         mask = _parse_field("mask", spec.mask.expr, tensors, scalars, score=False, result="condition")
-    return Lowered(score=score, mask=mask, extras=tuple(extras))
+    return Lowered(score=score, mask=mask, extras=tuple(extras), inputs=tuple(inputs))
 
 
 def _parse_field(field: str, text: str, tensors, scalars, **kwargs) -> Expression:

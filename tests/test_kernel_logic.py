@@ -27,6 +27,7 @@ from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_fwd import TileInfo
 from fa4gen.kernels.variant import VariantArgs
+from fa4gen.runtime import document_tables
 from fa4gen.testing import visible_keys
 from fa4gen.variants import lower
 
@@ -226,11 +227,9 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
 def _extras(spec: fa4gen.AttentionSpec, kernel, seqlen_q: int, batches: int, args: dict) -> tuple:
     """The run-time tensors the kernel reads, by name (CPU tensors: only their values matter)."""
     values = dict(args)
-    if spec.is_varlen:
-        cu_q = args["cu_seqlens_q"].long()
-        tokens = torch.arange(seqlen_q)
-        values["doc_ids_q"] = (torch.searchsorted(cu_q, tokens, right=True) - 1).clamp_(0, cu_q.shape[0] - 2).int()
-        values["m_block_order"] = torch.arange(-(-seqlen_q // kernel.tile_m), dtype=torch.int32).flip(0)
+    if spec.is_varlen:  # the callable's tables (checked here against visible_keys, written apart)
+        values["doc_key_ranges"], values["m_block_order"] = document_tables(
+            spec, kernel.tile_m, kernel.tile_n, args["cu_seqlens_q"], args["cu_seqlens_k"], seqlen_q)
     return tuple(values[extra.name] for extra in lower(spec).extras)
 
 

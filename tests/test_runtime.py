@@ -127,10 +127,11 @@ def test_documents_check_their_cumulative_lengths():
     spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
     q, k = _qk(batch=1, sq=10, sk=12)
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
-    ids = torch.tensor([0] * 4 + [1] * 6, dtype=torch.int32)
+    ranges = torch.zeros(10, 2, dtype=torch.int32)
     order = torch.zeros(1, dtype=torch.int32)
-    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_ids_q=ids, m_block_order=order)
-    assert variant_arguments(spec, q, k, given, None) == [cu_q, cu_k, ids, order]
+    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_key_ranges=ranges, m_block_order=order)
+    # checked, but not kernel arguments: the kernel reads the key ranges derived from them
+    assert variant_arguments(spec, q, k, given, None) == [ranges, order]
     with pytest.raises(ValueError, match="cu_seqlens_k must be a torch.int32 tensor of shape \\(3,\\)"):
         variant_arguments(spec, q, k, {**given, "cu_seqlens_k": cu_k[:2]}, None)
     with pytest.raises(ValueError, match="cu_seqlens_q needs at least 2 entries"):
@@ -145,11 +146,24 @@ def test_document_tables_follow_cu_seqlens_and_are_reused():
     spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
     kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # an empty middle document
-    ids, order = kernel._document_tables(cu, cu, 7)
-    assert ids.tolist() == [0, 0, 0, 2, 2, 2, 2] and ids.dtype == order.dtype == torch.int32
-    assert kernel._document_tables(cu, cu, 7)[0] is ids  # same tensors, unmodified: reused
+    ranges, order = kernel._document_tables(cu, cu, 7)
+    # causal within each document: [document start, own position + 1)
+    assert ranges.tolist() == [[0, 1], [0, 2], [0, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
+    assert ranges.dtype == order.dtype == torch.int32 and ranges.is_contiguous()
+    assert kernel._document_tables(cu, cu, 7)[0] is ranges  # same tensors, unmodified: reused
     cu[1] = 1  # modified in place: rebuilt
-    assert kernel._document_tables(cu, cu, 7)[0].tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert kernel._document_tables(cu, cu, 7)[0].tolist() == [[0, 1], [1, 2], [1, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
+
+
+def test_document_key_ranges_align_each_document_to_its_end():
+    """More queries than keys in a document: its first queries see nothing (an empty range at
+    the document's start); a left window cuts each row's range."""
+    from fa4gen.runtime import document_tables
+
+    spec = fa4gen.AttentionSpec(head_dim=64, mask="document", window_left=1, window_right=0)
+    cu_q, cu_k = torch.tensor([0, 4, 6], dtype=torch.int32), torch.tensor([0, 2, 5], dtype=torch.int32)
+    ranges, _ = document_tables(spec, 128, 128, cu_q, cu_k, 6)
+    assert ranges.tolist() == [[0, 0], [0, 0], [0, 1], [0, 2], [2, 4], [3, 5]]
 
 
 def test_document_query_tiles_are_ranked_by_work():

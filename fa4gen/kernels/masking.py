@@ -6,9 +6,9 @@ Every structural mask gives query row i one visible key interval [start(i), end(
 - causal / windows: end <= p + right + 1, start >= p - left;
 - chunked(C): start >= (p // C) * C and end <= p + 1 (causal within the chunk);
 - prefix-LM: [0, max(p + 1, prefix[b])), the prefix length a run-time tensor per batch;
-- document (packed sequences): the interval of the row's own document from cu_seqlens (the
-  document of each query token comes precomputed), with p aligned to that document's end,
-  combined with causal / windows as above.
+- document (packed sequences): the interval of the row's own document, with p aligned to that
+  document's end, combined with causal / windows as above; the caller computes it per row from
+  cu_seqlens (fa4gen.runtime.document_tables), so the kernel reads it with one load.
 Rows without keys get an empty interval at their start.
 Both start(i) and end(i) never decrease with i, so a query tile's key range comes from its first
 and last rows alone: tiles in [n_min, split_lo) and [split_hi, n_max) are masked boundary tiles,
@@ -25,8 +25,9 @@ from cutlass import Int32
 
 
 class KeyTileRange:
-    """Compile-time mask structure; run-time sizes and tensors (prefix lengths, cu_seqlens) come
-    in as arguments (``args``: the variant's run-time values, see fa4gen.kernels.variant)."""
+    """Compile-time mask structure; run-time sizes and tensors (prefix lengths, document key
+    ranges) come in as arguments (``args``: the variant's run-time values, see
+    fa4gen.kernels.variant)."""
 
     def __init__(self, tile_m: int, tile_n: int, left: Optional[int], right: Optional[int],
                  chunk: Optional[int] = None, prefix: bool = False, document: bool = False):
@@ -43,14 +44,18 @@ class KeyTileRange:
     @cute.jit
     def row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """[start, end) of the keys query row ``row`` sees (end <= start: none)."""
+        if cutlass.const_expr(self.document):  # the caller's table holds every bound
+            start, end = args.doc_key_ranges[row, 0], args.doc_key_ranges[row, 1]
+        else:
+            start, end = self.formula_row_range(row, batch, seqlen_q, seqlen_k, args)
+        return start, end
+
+    @cute.jit
+    def formula_row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """``row_range`` of every mask but documents, from the sizes (and prefix lengths)."""
         start = Int32(0)
         end = seqlen_k
         position = row + seqlen_k - seqlen_q
-        if cutlass.const_expr(self.document):
-            doc = args.doc_ids_q[row]  # precomputed per token by the caller (one load, no search)
-            start = args.cu_seqlens_k[doc]
-            end = args.cu_seqlens_k[doc + 1]
-            position = row + end - args.cu_seqlens_q[doc + 1]
         if cutlass.const_expr(self.right is not None):
             end = cutlass.min(end, position + self.right + 1)
         if cutlass.const_expr(self.left is not None):
@@ -59,8 +64,7 @@ class KeyTileRange:
             start = cutlass.max(start, cutlass.max(position, 0) // self.chunk * self.chunk)
         if cutlass.const_expr(self.prefix):
             end = cutlass.min(cutlass.max(position + 1, args.prefix_lengths[batch]), seqlen_k)
-        # a row without keys gets the empty interval [start, start): ends never decrease then,
-        # also where a document's first queries see nothing (its queries outnumber its keys)
+        # a row without keys gets the empty interval [start, start): ends never decrease then
         end = cutlass.max(end, start)
         return start, end
 

@@ -8,7 +8,8 @@ sm90_mainloop.py. K and V have separate mbarrier pipelines so a K stage is relea
 is computed. O leaves through shared memory (its own buffer, whose store runs on into the next
 tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges. A
 persistent launch (one CTA per SM) walks the plan's tile order (scheduler.py); the producer runs
-ahead into the next tile while consumers finish the last.
+ahead into the next tile while consumers finish the last, and hands each tile's position and
+key-tile bounds to the consumers with its Q buffer (``publish_tile``).
 
 Variants plug in without touching this machinery: the score hook (score_mod) and expression
 mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
@@ -210,6 +211,7 @@ class HopperAttentionForward(Sm90MainLoop):
             bar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            tiles: cute.struct.MemRange[Int32, len(self.tile_fields) * self.q_stages]  # see publish_tile
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
@@ -275,6 +277,7 @@ class HopperAttentionForward(Sm90MainLoop):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sTiles = storage.tiles.get_tensor(cute.make_layout((len(self.tile_fields), self.q_stages)))
         pipes = (
             self._make_pipeline(storage.bar_q.data_ptr(), self.q_stages, self.q_bytes),
             self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes),
@@ -294,12 +297,12 @@ class HopperAttentionForward(Sm90MainLoop):
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes)
+                self.produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = warpgroup_idx - 1
             sO, sP = self.warpgroup_buffers(storage, sQ, sO_layout, sP_layout, wg)
-            self.consume(sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
+            self.consume(sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
 
     @cute.jit
     def warpgroup_buffers(self, storage, sQ, sO_layout, sP_layout, wg: Int32):
@@ -320,6 +323,8 @@ class HopperAttentionForward(Sm90MainLoop):
 
     @cute.jit
     def tile_info(self, tile: Int32, sizes):
+        """Tile ``tile`` of the schedule: where it is and which key tiles it visits (the producer
+        computes it; the consumers receive it, see ``publish_tile``)."""
         order = sizes.args.m_block_order if cutlass.const_expr(self.scheduler.ranked) else None
         m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches,
                                                      sizes.pairs, sizes.group, order)
@@ -337,6 +342,38 @@ class HopperAttentionForward(Sm90MainLoop):
             t.n_count = sizes.args.block_count[t.mask_b, t.mask_h, m_block]
         return t
 
+    @property
+    def tile_fields(self) -> tuple:
+        """The TileInfo fields the producer hands the consumers per tile (``publish_tile``)."""
+        fields = ("m_block", "head", "batch", "n_min", "split_lo", "split_hi", "n_max", "n_count")
+        if self.rotate_key_tiles:
+            fields += ("rotation",)
+        if self.block_sparse:
+            fields += ("mask_b", "mask_h")
+        return fields
+
+    @cute.jit
+    def publish_tile(self, pipe_q, q_state, sTiles: cute.Tensor, t):
+        """Acquire the next Q buffer and hand the consumers this tile's info with it: written to
+        the buffer's slot once the consumers have freed it, before the arrive that their Q wait
+        acquires. The consumers then start a tile without decoding it or waiting on the global
+        loads of its bounds (document key ranges, a ranked order, a block mask's count): the
+        producer did that while they were busy with the previous tile."""
+        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        # every lane stores the same words, so whichever lane the pipeline elects to arrive has
+        # stored them before its arrive (whose release the consumers' wait acquires)
+        for i in cutlass.range_constexpr(len(self.tile_fields)):
+            sTiles[i, q_state.index] = getattr(t, self.tile_fields[i])
+        pipe_q.producer_acquire(q_state, try_acquire_token=True)  # the arrive alone: the buffer is free
+
+    @cute.jit
+    def received_tile(self, sTiles: cute.Tensor, index: Int32):
+        """The tile info ``publish_tile`` wrote to Q buffer ``index`` (after the wait for that buffer)."""
+        t = TileInfo()
+        for i in cutlass.range_constexpr(len(self.tile_fields)):
+            setattr(t, self.tile_fields[i], sTiles[i, index])
+        return t
+
     @cute.jit
     def key_block(self, t, i: Int32, args) -> Int32:
         """The i-th key tile a query tile visits: from the highest down (from ``t.rotation``
@@ -350,7 +387,7 @@ class HopperAttentionForward(Sm90MainLoop):
         return n_block
 
     @cute.jit
-    def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes):
+    def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes):
         """One warp: per tile, the first K tile, then Q (waits for the consumers to free it: K can
         run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
@@ -361,11 +398,11 @@ class HopperAttentionForward(Sm90MainLoop):
             tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
             if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
                 kv_state, q_state = self.produce_tile(
-                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile, kv_state, q_state
+                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, tile, kv_state, q_state
                 )
 
     @cute.jit
-    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, pipes, sizes, tile: Int32,
+    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, tile: Int32,
                      kv_state, q_state):
         pipe_q, pipe_k, pipe_v = pipes
         one = cute.make_layout(1)
@@ -381,7 +418,7 @@ class HopperAttentionForward(Sm90MainLoop):
             pipe_k.producer_acquire(kv_state)
             cute.copy(tma_k, tKg[None, self.key_block(t, 0, sizes.args)], tKs[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-        pipe_q.producer_acquire(q_state)
+        self.publish_tile(pipe_q, q_state, sTiles, t)
         for w in cutlass.range_constexpr(self.num_consumers):
             buffer_stage = q_state.index * self.num_consumers + w
             cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, buffer_stage],
@@ -439,7 +476,7 @@ class HopperAttentionForward(Sm90MainLoop):
         )
 
     @cute.jit
-    def consume(self, sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
+    def consume(self, sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes):
         """One consumer warpgroup: every tile of this CTA, main loop then epilogue."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -453,18 +490,19 @@ class HopperAttentionForward(Sm90MainLoop):
             tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
             if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
                 q_state, k_state, v_state = self.consume_tile(
-                    sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, tile, q_state, k_state, v_state
+                    sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state
                 )
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store reads shared memory
 
     @cute.jit
-    def consume_tile(self, sQ, sK, sV, sO, sP, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
-                     tile: Int32, q_state, k_state, v_state):
+    def consume_tile(self, sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
+                     q_state, k_state, v_state):
         pipe_q = pipes[0]
         loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, sP, pipes,
                                     wg, wtidx, sizes)
-        t = self.tile_info(tile, sizes)
+        pipe_q.consumer_wait(q_state)  # this tile's Q, and its info from the producer
+        t = self.received_tile(sTiles, q_state.index)
         t.row_base = t.m_block * self.tile_m + wg * 64
         loop.row_start, loop.row_end = self.key_tiles.row_ranges(
             rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args
@@ -476,7 +514,6 @@ class HopperAttentionForward(Sm90MainLoop):
         if cutlass.const_expr(self.skips_masked_tiles):
             end = self.key_tiles.rows_tile_end(t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args)
             t.skip = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
-        pipe_q.consumer_wait(q_state)
         if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
         if cutlass.const_expr(not self.o_over_q):
