@@ -95,6 +95,10 @@ SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 
                          "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
                          "its rows idle; from S=2048 on the 192-row tiles win")
 
+SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query rows: 64-key tiles measured 1.01-1.06x "
+                          "the 80-key ones (order-balanced A/B on the H200, S=512 and 1024, causal and not): 512 keys "
+                          "fill 8 of them where the 7th 80-key tile is 40% padding, and a causal query tile stops at "
+                          "its diagonal instead of up to 79 masked keys past it")
 
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
@@ -107,7 +111,7 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
-            "64 on the H200); Q + 2 stages = 224 KB"),
+            "64 on the H200); Q + 2 stages = 224 KB", short=ShortRow(1024, SM90_D256_SHORT)),
 )
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the

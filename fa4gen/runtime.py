@@ -145,8 +145,7 @@ class AttentionKernel:
         if varlen and all(isinstance(t, torch.Tensor) and t.ndim == 1 and t.dtype == torch.int32
                           and t.shape == cu_seqlens_q.shape and t.shape[0] >= 2 for t in (cu_seqlens_q, cu_seqlens_k)):
             # (malformed cu_seqlens build nothing: variant_arguments names what is wrong)
-            given["doc_key_ranges"], given["m_block_order"] = self._document_tables(cu_seqlens_q, cu_seqlens_k,
-                                                                                    seqlen_q)
+            given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
         if self._lowered.mask is not None:
@@ -219,8 +218,10 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
       keys, causal / window bounds aligned to the document's end; end == start: none). The kernel
       reads a row's range with one load where cu_seqlens would take two dependent ones, at every
       query tile's start, on the consumers' critical path;
-    - the query tiles ranked by their work, most first (int32): the persistent schedule hands out
-      the heaviest first (work restarts at every document, so tile order alone does not rank it)."""
+    - the query tiles ranked by their work, most first, (tiles, 5) int32: the persistent schedule
+      hands out the heaviest first (work restarts at every document, so tile order alone does not
+      rank it). Each row is (query tile, key range of its first row, key range of its last row):
+      the kernel finds a tile's key-tile bounds with one load after decoding its rank."""
     import torch
 
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
@@ -236,8 +237,9 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
     first = torch.arange(0, total, tile_m, device=cu_q.device)
     last = (first + tile_m).clamp(max=total) - 1
     work = (-(-end[last] // tile_n) - start[first] // tile_n).clamp(min=0)
-    order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
-    return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), order
+    order = torch.argsort(work, descending=True, stable=True)
+    tiles = torch.stack((order, start[first[order]], end[first[order]], start[last[order]], end[last[order]]), dim=1)
+    return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), tiles.to(torch.int32).contiguous()
 
 
 def _identity(value):
@@ -418,9 +420,9 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     index = given.get("block_index")
     if index is not None:  # checked against the plan by check_block_mask; here only named
         sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))
-    order = given.get("m_block_order")
-    if order is not None:  # built by the callable from the plan's tile_m, like the block mask
-        sizes["M"] = order.shape[0]
+    tiles = given.get("doc_tiles")
+    if tiles is not None:  # built by the callable from the plan's tile_m, like the block mask
+        sizes["M"] = tiles.shape[0]
     values = []
     for extra in (*lowered.inputs, *extras):  # the inputs first: the kernel's tables come from them
         if extra.role == "scalar":

@@ -27,7 +27,7 @@ class Extra:
     the callable derives kernel arguments from (``Lowered.inputs``)."""
 
     name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
-    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_key_ranges", "m_block_order",
+    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_key_ranges", "doc_tiles",
                   "block_count", "block_index",
                   "block_full", "alibi_slopes", "rel_bias", "aux", "scalar"]
     dtype: Literal["float32", "int32"]
@@ -87,9 +87,9 @@ def lower(spec: AttentionSpec) -> Lowered:
         # derived from cu_seqlens by the callable (fa4gen.runtime.document_tables): every packed
         # query row's [start, end) of packed keys, document and causal / window bounds applied
         # (one load per row, no dependent loads), and the query tiles ranked by work, most first
-        # (the persistent schedule's order)
+        # (the persistent schedule's order), each with its first and last rows' key ranges
         extras += [Extra("doc_key_ranges", "doc_key_ranges", "int32", ("Sq", 2)),
-                   Extra("m_block_order", "m_block_order", "int32", ("M",))]
+                   Extra("doc_tiles", "doc_tiles", "int32", ("M", 5))]
     if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
         extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
                    Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),

@@ -45,6 +45,8 @@ def variant_specs() -> dict[str, AttentionSpec]:
         "expression-not-or+lse": AttentionSpec(
             head_dim=128, mask={"kind": "expression", "expr": "not (kv_idx > q_idx) and not (q_idx - kv_idx >= 300) "
                                                               "or kv_idx == 0"}, return_lse=True),
+        # d256: short launches run 64-key tiles, long ones the table's 80-key tiles
+        "d256-causal-gqa2+lse": AttentionSpec(head_dim=256, causal=True, qhead_per_kvhead=2, return_lse=True),
         "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
                                         return_lse=True),
         "empty-rows-sinks+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},

@@ -68,17 +68,19 @@ def test_matches_reference(name, shape):
         assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
 
 
-def test_each_length_range_runs_its_plan():
-    """The default callable of a d96 causal spec carries the planner's kernel for short query
-    sequences: each launch runs the kernel of its length, and both match the reference on
-    either side of the boundary."""
+@pytest.mark.parametrize("name, tiles", [("phi3-mini+lse", ((192, 128), (128, 128))),
+                                         ("d256-causal-gqa2+lse", ((128, 80), (128, 64)))])
+def test_each_length_range_runs_its_plan(name, tiles):
+    """The default callable carries the planner's kernel for short query sequences (d96: 128-row
+    tiles, d256: 64-key tiles): each launch runs the kernel of its length, and both match the
+    reference on either side of the boundary."""
     from fa4gen.planner import plan_for_seqlen, seqlen_splits
 
-    spec = CASES["phi3-mini+lse"]
+    spec = CASES[name]
     (short,) = seqlen_splits(spec, "sm_90a")
     attn = fa4gen.compile(spec)
     assert [(s.split, s.kernel.plan) for s in attn.splits] == [(short, short.plan)]
-    assert attn.plan.tile_m == 192 and short.plan.tile_m == 128
+    assert ((attn.plan.tile_m, attn.plan.tile_n), (short.plan.tile_m, short.plan.tile_n)) == tiles
     for seqlen_q in (short.max_seqlen_q, short.max_seqlen_q + 1):
         assert attn.kernel_for(seqlen_q).plan == plan_for_seqlen(spec, "sm_90a", seqlen_q)
         q, k, v, args = variant_inputs(spec, 1, seqlen_q, seqlen_q + 76, seed=seqlen_q, kv_heads=KV_HEADS)

@@ -34,11 +34,13 @@ from fa4gen.variants import lower
 
 def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int, grid: int, seqlen_k: int,
           row_bytes: int = 512, order: torch.Tensor | None = None) -> torch.Tensor:
-    """(cta, item, m_block, head, batch, tile) of every valid item of every CTA, in issue order."""
+    """(cta, item, m_block, head, batch, tile, rank) of every valid item of every CTA, in issue
+    order (``order``: the ranking of a ranked scheduler, the kernel's first column of it)."""
     units = num_m_blocks * heads * batches
     rows = grid * (2 * (units // grid + 1))
-    out = torch.full((rows, 6), -1, dtype=torch.int32)
+    out = torch.full((rows, 7), -1, dtype=torch.int32)
     order = torch.arange(max(num_m_blocks, 1), dtype=torch.int32) if order is None else order
+    order = order.view(-1, 1).contiguous()
 
     @cute.jit
     def run(out: cute.Tensor, order: cute.Tensor, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32,
@@ -51,8 +53,8 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
             for item in cutlass.range(items, unroll=1):
                 tile = scheduler.tile_of(item, cta, grid, pairs)
                 if scheduler.valid(tile, num_m_blocks, heads_batches, pairs):
-                    m_block, head, batch = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, pairs, group,
-                                                            order)
+                    m_block, head, batch, rank = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, pairs,
+                                                                  group, order)
                     row = cta * items + item
                     out[row, 0] = cta
                     out[row, 1] = item
@@ -60,6 +62,7 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
                     out[row, 3] = head
                     out[row, 4] = batch
                     out[row, 5] = tile
+                    out[row, 6] = rank
 
     run(from_dlpack(out), from_dlpack(order), num_m_blocks, heads, batches, grid, seqlen_k)
     return out[out[:, 0] >= 0]
@@ -126,6 +129,7 @@ def test_ranked_heavy_first_follows_the_given_order():
     walked = _walk(TileScheduler("heavy_first", ranked=True), 5, 2, 1, grid=1, seqlen_k=700, order=order)
     _assert_every_tile_once(walked, 5, 2, 1)
     assert walked[:, 2].tolist() == [3, 3, 0, 0, 4, 4, 1, 1, 2, 2]
+    assert walked[:, 6].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # the row of the ranking each came from
 
 
 @pytest.mark.parametrize("num_m_blocks", [5, 6])
@@ -141,6 +145,7 @@ def test_ranked_pairs_join_the_heaviest_and_the_lightest(num_m_blocks):
         expected += [ranking[j], ranking[num_m_blocks - 1 - j]]
     expected += [ranking[num_m_blocks // 2]] if num_m_blocks % 2 else []
     assert walked[:, 2].tolist() == expected
+    assert [ranking[r] for r in walked[:, 6].tolist()] == expected
 
 
 @pytest.mark.parametrize("seqlen_k, pairs", [(129, True), (130, False)])
@@ -228,7 +233,7 @@ def _extras(spec: fa4gen.AttentionSpec, kernel, seqlen_q: int, batches: int, arg
     """The run-time tensors the kernel reads, by name (CPU tensors: only their values matter)."""
     values = dict(args)
     if spec.is_varlen:  # the callable's tables (checked here against visible_keys, written apart)
-        values["doc_key_ranges"], values["m_block_order"] = document_tables(
+        values["doc_key_ranges"], values["doc_tiles"] = document_tables(
             spec, kernel.tile_m, kernel.tile_n, args["cu_seqlens_q"], args["cu_seqlens_k"], seqlen_q)
     return tuple(values[extra.name] for extra in lower(spec).extras)
 

@@ -377,14 +377,16 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
         ({"head_dim": 128, "causal": True}, []),
         ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
-        ({"head_dim": 256}, []),
+        ({"head_dim": 256}, ["short"]),
+        ({"head_dim": 256, "causal": True}, ["short"]),
+        ({"head_dim": 256, "causal": True, "window_left": 4096, "softcap": 50.0}, []),  # already 64-key tiles
     ],
 )
 def test_length_ranges_that_run_another_plan(fields, labels):
-    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal),
-    measured faster there; where the variant already runs 128-row tiles there is nothing to
-    switch to."""
-    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, seqlen_splits
+    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal) and
+    64-key tiles at d256, each measured faster there; where the variant already runs those
+    tiles there is nothing to switch to."""
+    from fa4gen.planner import SM90_D96_SHORT, SM90_D256_SHORT, SM90_FWD_TILES, seqlen_splits
 
     spec = AttentionSpec(**fields)
     splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
@@ -392,16 +394,20 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     main = plan(spec, "sm_90a")
     if "short" in splits:
         split = splits["short"]
-        assert main.num_consumer_warpgroups == 3
         short = split.plan
-        assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
-        assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+        if spec.head_dim <= 96:  # 192-row tiles on 3 warpgroups give way to 128 rows on 2
+            assert main.num_consumer_warpgroups == 3
+            assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
+            assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+            assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
+        else:  # the same warpgroups, narrower key tiles
+            assert (main.tile_n, short.tile_n) == (80, 64) and short.tile_m == main.tile_m == 128
+            assert short.reasons["tile_n"] == split.reason
         assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
         assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
         assert "at most 1024 query rows" in split.describe()
-        assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
-    assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96]
-    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT
+    assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96, 256]
+    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT and SM90_FWD_TILES[-1].short.row is SM90_D256_SHORT
 
 
 def test_length_ranges_cover_each_length_once():

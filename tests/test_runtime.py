@@ -128,10 +128,10 @@ def test_documents_check_their_cumulative_lengths():
     q, k = _qk(batch=1, sq=10, sk=12)
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
     ranges = torch.zeros(10, 2, dtype=torch.int32)
-    order = torch.zeros(1, dtype=torch.int32)
-    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_key_ranges=ranges, m_block_order=order)
-    # checked, but not kernel arguments: the kernel reads the key ranges derived from them
-    assert variant_arguments(spec, q, k, given, None) == [ranges, order]
+    tiles = torch.zeros(1, 5, dtype=torch.int32)
+    given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_key_ranges=ranges, doc_tiles=tiles)
+    # checked, but not kernel arguments: the kernel reads the tables derived from them
+    assert variant_arguments(spec, q, k, given, None) == [ranges, tiles]
     with pytest.raises(ValueError, match="cu_seqlens_k must be a torch.int32 tensor of shape \\(3,\\)"):
         variant_arguments(spec, q, k, {**given, "cu_seqlens_k": cu_k[:2]}, None)
     with pytest.raises(ValueError, match="cu_seqlens_q needs at least 2 entries"):
@@ -146,10 +146,12 @@ def test_document_tables_follow_cu_seqlens_and_are_reused():
     spec = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
     kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # an empty middle document
-    ranges, order = kernel._document_tables(cu, cu, 7)
+    ranges, tiles = kernel._document_tables(cu, cu, 7)
     # causal within each document: [document start, own position + 1)
     assert ranges.tolist() == [[0, 1], [0, 2], [0, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
-    assert ranges.dtype == order.dtype == torch.int32 and ranges.is_contiguous()
+    assert ranges.dtype == tiles.dtype == torch.int32 and ranges.is_contiguous() and tiles.is_contiguous()
+    # one query tile: its first row's range and its last row's
+    assert tiles.tolist() == [[0, 0, 1, 3, 7]]
     assert kernel._document_tables(cu, cu, 7)[0] is ranges  # same tensors, unmodified: reused
     cu[1] = 1  # modified in place: rebuilt
     assert kernel._document_tables(cu, cu, 7)[0].tolist() == [[0, 1], [1, 2], [1, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
@@ -176,10 +178,13 @@ def test_document_query_tiles_are_ranked_by_work():
     kernel = AttentionKernel(spec, plan, function=None)
     doc = 4 * plan.tile_m  # documents of 4 query tiles each, tiles aligned to documents
     cu = torch.arange(0, 3 * doc + 1, doc, dtype=torch.int32)
-    _, order = kernel._document_tables(cu, cu, 3 * doc)
+    ranges, tiles = kernel._document_tables(cu, cu, 3 * doc)
+    order = tiles[:, 0]
     position_in_doc = (order % 4).tolist()
     assert position_in_doc == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]  # last tiles of each document first
     assert sorted(order.tolist()) == list(range(12))
+    first = order.long() * plan.tile_m  # each rank's row: its tile's first and last rows' key ranges
+    assert torch.equal(tiles[:, 1:3], ranges[first]) and torch.equal(tiles[:, 3:], ranges[first + plan.tile_m - 1])
 
 
 def test_each_length_range_runs_its_kernel():

@@ -71,11 +71,17 @@ class KeyTileRange:
     @cute.jit
     def bounds(self, m_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """(n_min, split_lo, split_hi, n_max) for query tile ``m_block``; n_max <= n_min: no keys."""
-        tile_n = self.tile_n
         first_row = m_block * self.tile_m
         last_row = cutlass.min(first_row + self.tile_m, seqlen_q) - 1
         first_start, first_end = self.row_range(first_row, batch, seqlen_q, seqlen_k, args)
         last_start, last_end = self.row_range(last_row, batch, seqlen_q, seqlen_k, args)
+        return self.bounds_of_rows(first_start, first_end, last_start, last_end, seqlen_k)
+
+    @cute.jit
+    def bounds_of_rows(self, first_start: Int32, first_end: Int32, last_start: Int32, last_end: Int32,
+                       seqlen_k: Int32):
+        """``bounds`` from the key ranges of a query tile's first and last rows."""
+        tile_n = self.tile_n
         n_min = cutlass.max(first_start, 0) // tile_n
         n_max = cute.ceil_div(cutlass.max(last_end, 0), tile_n)
         # interior: wholly inside every row's interval (and below Sk: the ragged last tile is masked)

@@ -16,7 +16,8 @@ Three orders (the plan's ``tile_order``):
   about the same time. Packed documents break "higher query tile = more work" (work restarts at every
   document): the caller passes the query tiles ranked by their work (``order``: most first) and
   the slowest digit indexes that ranking (``paired`` pairs the j-th heaviest with the j-th
-  lightest of that ranking).
+  lightest of that ranking): ``order[rank, 0]`` is the query tile of rank ``rank``, and the
+  caller may keep more per rank in the other columns (``decode`` returns the rank).
 - ``paired`` (causal, where query tile m sees m + 1 key tiles): one CTA runs query tile M-1-j and
   then j of the same head, a pair whose work is the same for every j. Pairs are handed out in
   rounds with the pair fastest, then the head: every CTA does equal work per round (a static
@@ -107,16 +108,21 @@ class TileScheduler:
     @cute.jit
     def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, pairs, group: Int32,
                order=None):
-        """tile id -> (m_block, head, batch); ``group``: see ``head_group``."""
+        """tile id -> (m_block, head, batch, rank); ``group``: see ``head_group``; ``rank``: the
+        tile's row of ``order`` in a ranked order (else the same as m_block)."""
         heads_batches = num_heads * num_batches
-        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, group, order)
+        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, group)
         if pairs:
-            m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches, order)
-        return m_block, head_batch % num_heads, head_batch // num_heads
+            m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
+        rank = m_block
+        if cutlass.const_expr(self.ranked):
+            m_block = order[rank, 0]
+        return m_block, head_batch % num_heads, head_batch // num_heads, rank
 
     # ------------------------------------------------------------------ the orders
     @cute.jit
-    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, group: Int32, order):
+    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, group: Int32):
+        """(m_block, or with a ranked order the rank, heaviest 0; head * batch)."""
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
         if cutlass.const_expr(self.order != "head_major"):  # heavy_first, or paired falling back
@@ -131,11 +137,12 @@ class TileScheduler:
                 head_batch = first_head + within - rank * width
             m_block = num_m_blocks - 1 - rank
             if cutlass.const_expr(self.ranked):
-                m_block = order[rank]
+                m_block = rank
         return m_block, head_batch
 
     @cute.jit
-    def _decode_pairs(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, order):
+    def _decode_pairs(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
+        """As ``_decode_rounds``, for pairs."""
         pairs = num_m_blocks // 2
         slot = tile // 2
         head_batch = slot - pairs * heads_batches
@@ -150,5 +157,5 @@ class TileScheduler:
                 m_block = num_m_blocks - 1 - j  # first: the j-th heaviest
                 rank = j
         if cutlass.const_expr(self.ranked):
-            m_block = order[rank]
+            m_block = rank
         return m_block, head_batch

@@ -13,7 +13,7 @@ key-tile bounds to the consumers with its Q buffer (``publish_tile``).
 
 Variants plug in without touching this machinery: the score hook (score_mod) and expression
 mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
-(masking.py); the variant's run-time values (sinks, prefix lengths, cu_seqlens, block masks,
+(masking.py); the variant's run-time values (sinks, prefix lengths, document key ranges, block masks,
 aux tensors and scalars) arrive as one tuple, read by name (variant.py).
 
 Everything tile-shaped is a compile-time constant from the Plan; batch, heads and sequence
@@ -325,11 +325,17 @@ class HopperAttentionForward(Sm90MainLoop):
     def tile_info(self, tile: Int32, sizes):
         """Tile ``tile`` of the schedule: where it is and which key tiles it visits (the producer
         computes it; the consumers receive it, see ``publish_tile``)."""
-        order = sizes.args.m_block_order if cutlass.const_expr(self.scheduler.ranked) else None
-        m_block, head, batch = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches,
-                                                     sizes.pairs, sizes.group, order)
-        n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
-                                                                 sizes.args)
+        ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
+        m_block, head, batch, rank = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads,
+                                                           sizes.num_batches, sizes.pairs, sizes.group, ranking)
+        if cutlass.const_expr(self.scheduler.ranked):
+            # the ranking's row also holds the key ranges of the tile's first and last rows: one
+            # level of loads, where the rank, then the rows' ranges would be two
+            n_min, split_lo, split_hi, n_max = self.key_tiles.bounds_of_rows(
+                ranking[rank, 1], ranking[rank, 2], ranking[rank, 3], ranking[rank, 4], sizes.seqlen_k)
+        else:
+            n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
+                                                                     sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
                      n_max=n_max, n_count=cutlass.max(n_max - n_min, 0))
         if cutlass.const_expr(self.rotate_key_tiles):

@@ -1,7 +1,7 @@
 """The variant's run-time values inside a kernel: one tuple argument, unpacked by name.
 
 The emitted module knows which extras a variant takes (fa4gen.variants.lower lists them: sink
-logits, prefix lengths, cu_seqlens, ALiBi slopes, bias tables, aux tensors and scalars); the
+logits, prefix lengths, document key ranges, ALiBi slopes, bias tables, aux tensors and scalars); the
 kernel receives them as one tuple and reads them as attributes, e.g. ``args.sinks[head]``.
 """
 

@@ -50,7 +50,7 @@ SCALE_LOG2 = 0.12751743082459868
 
 MASK_MOD = None
 # run-time arguments after num_ctas, in the order the kernel takes them
-EXTRAS = ("doc_key_ranges", "m_block_order", )
+EXTRAS = ("doc_key_ranges", "doc_tiles", )
 
 
 def make_kernel() -> HopperAttentionForward:
@@ -95,7 +95,7 @@ def make_kernel() -> HopperAttentionForward:
 
 
 @cute.jit
-def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32, x_doc_key_ranges: cute.Tensor, x_m_block_order: cute.Tensor,
+def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32, x_doc_key_ranges: cute.Tensor, x_doc_tiles: cute.Tensor,
           stream: cuda.CUstream):
     """The exported function: flat arguments, the variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, lse, num_ctas, (x_doc_key_ranges, x_m_block_order, ), stream)
+    make_kernel()(q, k, v, o, lse, num_ctas, (x_doc_key_ranges, x_doc_tiles, ), stream)
