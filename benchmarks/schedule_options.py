@@ -69,6 +69,8 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
                     out.append((f"n{tile_n}-own-o", spec, freed))
         if not causal:  # the CTAs of a head read different K/V tiles at a time
             out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
+        if base.tile_order == "head_major":  # a round of CTAs reads 2 heads' K/V, each tile by fewer at once
+            out.append(("interleave-2", spec, base.model_copy(update={"head_interleave": 2})))
         if d <= 128:
             out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False})))
             # a tile's first Q.K^T and last P.V outside the turns (flash-attn-4's Hopper path)

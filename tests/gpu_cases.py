@@ -145,6 +145,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
             "tile-n": {"tile_n": base.tile_n + 16},
             "rotated-keys": {"rotate_key_tiles": True} if not spec.has_mask else None,
+            # query tiles of 3 heads alternate (the last group narrower where heads do not divide)
+            "head-interleave": {"head_interleave": 3} if base.tile_order == "head_major" else None,
         }
         for flip, update in filter(lambda item: item[1] is not None, flips.items()):
             p = base.model_copy(update=update)

@@ -231,6 +231,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,
         "l2_group_bytes": kernel_plan.l2_group_bytes,
+        "head_interleave": kernel_plan.head_interleave,
         "rotate_key_tiles": kernel_plan.rotate_key_tiles,
         "separate_o_smem": kernel_plan.separate_o_smem,
         "exp2_poly_period": kernel_plan.exp2_poly_period,

@@ -99,6 +99,23 @@ def test_every_order_hands_out_every_tile_once(order, size, grid):
             assert mine == sorted(mine, reverse=True)
 
 
+@pytest.mark.parametrize("interleave", [2, 3])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
+def test_head_major_interleaves_groups_of_heads(interleave, size):
+    """Head-major with interleaved heads: one CTA's walk (grid 1) is the tile order itself. Heads
+    go in groups of ``interleave`` (the last one narrower), one group after the other; within a
+    group the query tiles rise with the head fastest."""
+    m, h, b = size
+    walked = _walk(TileScheduler("head_major", interleave=interleave), m, h, b, grid=1, seqlen_k=1000)
+    _assert_every_tile_once(walked, m, h, b)
+    head_batch = (walked[:, 4] * h + walked[:, 3]).tolist()
+    expected = []
+    for first in range(0, h * b, interleave):
+        width = min(interleave, h * b - first)
+        expected += [(q, first + i) for q in range(m) for i in range(width)]
+    assert list(zip(walked[:, 2].tolist(), head_batch)) == expected
+
+
 @pytest.mark.parametrize("qhead_per_kvhead", [1, 2])
 @pytest.mark.parametrize("seqlen_k", [1000, 3000, 100000])
 def test_heavy_first_head_groups_fit_the_budget(qhead_per_kvhead, seqlen_k):

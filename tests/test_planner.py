@@ -477,3 +477,15 @@ def test_measured_schedule_options_are_tuning_candidates_off_in_the_table():
         assert any(p.pinned_pv_wait for p in found)
         assert any(p.turnless_edges for p in found) is base.pingpong, head_dim
         assert all(p.pingpong or not p.turnless_edges for p in found)
+
+
+def test_interleaved_heads_are_a_candidate_of_the_head_major_order():
+    """Interleaving the query tiles of 2 heads is offered to `fa4gen tune` where the order is
+    head-major (uniform work per query tile); the table finishes one head before the next."""
+    for fields, offered in (({}, True), ({"softcap": 30.0}, True), ({"causal": True}, False),
+                            ({"window_left": 256, "window_right": 0}, False)):
+        spec = AttentionSpec(head_dim=128, **fields)
+        base = plan(spec, "sm_90a")
+        assert base.head_interleave == 1
+        assert ("interleaves" not in base.reasons["head_interleave"]) and base.reasons["head_interleave"]
+        assert any(p.head_interleave == 2 for p in candidates(spec, "sm_90a")) is offered, fields

@@ -5,7 +5,10 @@ tile id and ``decode`` a tile id to (m_block, head, batch); ids that name no til
 round) are skipped by ``valid``. A launch with one CTA per tile is the special case of one item.
 Three orders (the plan's ``tile_order``):
 - ``head_major`` (uniform work per query tile): the query tile is the fastest digit, in rounds of
-  ``grid`` tiles, so the CTAs running together share one head's K/V in L2.
+  ``grid`` tiles, so the CTAs running together share one head's K/V in L2. With ``interleave``
+  k > 1 the heads go in groups of k whose query tiles alternate (head fastest within the group):
+  a round then reads k heads' K/V, each tile by fewer CTAs at a time (the last group may be
+  narrower).
 - ``heavy_first`` (windows, chunks, prefix-LM, documents: work per query tile differs): the query
   tile is the slowest digit, counted from the end of the sequence, so the longest tiles start
   first; rounds alternate direction (a snake), pairing a heavy tile with a light one per CTA. The
@@ -41,7 +44,7 @@ TILE_ORDERS = ("head_major", "heavy_first", "paired")
 
 class TileScheduler:
     def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None, group_bytes: int = 0,
-                 qhead_per_kvhead: int = 1):
+                 qhead_per_kvhead: int = 1, interleave: int = 1):
         assert order in TILE_ORDERS, order
         self.order = order
         # heavy_first / paired through a run-time ranking of the query tiles (head_major ignores it)
@@ -49,6 +52,7 @@ class TileScheduler:
         self.pair_limit = pair_limit if order == "paired" else None
         # heavy_first: the K/V bytes a head group may hold in L2 (0: one group of all heads)
         self.group_bytes, self.qhead_per_kvhead = group_bytes, qhead_per_kvhead
+        self.interleave = interleave if order == "head_major" else 1  # heads whose query tiles alternate
 
     @cute.jit
     def head_group(self, seqlen_k: Int32, heads_batches: Int32, row_bytes: int) -> Int32:
@@ -125,6 +129,12 @@ class TileScheduler:
         """(m_block, or with a ranked order the rank, heaviest 0; head * batch)."""
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
+        if cutlass.const_expr(self.interleave > 1):  # groups of heads, head fastest within a group
+            first_head = tile // (self.interleave * num_m_blocks) * self.interleave
+            within = tile - first_head * num_m_blocks
+            width = cutlass.min(self.interleave, heads_batches - first_head)
+            m_block = within // width
+            head_batch = first_head + within - m_block * width
         if cutlass.const_expr(self.order != "head_major"):  # heavy_first, or paired falling back
             rank = tile // heads_batches  # query tiles from the heaviest, heads fastest
             head_batch = tile % heads_batches

@@ -94,6 +94,7 @@ class HopperAttentionForward(Sm90MainLoop):
         q_stages: int = 1,
         p_in_registers: bool = True,
         l2_group_bytes: int = 0,
+        head_interleave: int = 1,
         rotate_key_tiles: bool = False,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
@@ -145,7 +146,7 @@ class HopperAttentionForward(Sm90MainLoop):
         # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
         self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
-                                       qhead_per_kvhead=qhead_per_kvhead)
+                                       qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)

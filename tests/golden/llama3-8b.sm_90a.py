@@ -29,6 +29,7 @@
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
+#     head_interleave            1          not the head-major order: nothing to interleave
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
@@ -85,6 +86,7 @@ def make_kernel() -> HopperAttentionForward:
         persistent=True,
         tile_order="paired",
         l2_group_bytes=0,
+        head_interleave=1,
         rotate_key_tiles=False,
         separate_o_smem=True,
         exp2_poly_period=0,

@@ -31,6 +31,7 @@
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 head_major equal work per query tile: the CTAs running together share one head's K/V in L2
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
+#     head_interleave            1          the head-major order finishes one head's query tiles before the next head's (2 heads interleaved, a tuning candidate, measured 0.95-1.04x per cell, 0.998x over 15 non-causal cells at S=2048-16384 on the H200)
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
@@ -98,6 +99,7 @@ def make_kernel() -> HopperAttentionForward:
         persistent=True,
         tile_order="head_major",
         l2_group_bytes=0,
+        head_interleave=1,
         rotate_key_tiles=False,
         separate_o_smem=True,
         exp2_poly_period=0,
