@@ -5,6 +5,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
     python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
+    python benchmarks/schedule_options.py ab 4096 default,serial "window(128"   # specs whose summary has it
     python benchmarks/schedule_options.py combine AB.txt BA.txt        # both orders of an ab: B/A
 """
 
@@ -29,7 +30,9 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
              for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)) for causal in (False, True)]
     window = fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024)
     alibi = fa4gen.AttentionSpec(head_dim=128, causal=True, score_mod="alibi")  # a score_mod in every loop body
-    for spec in (*dense, window, alibi):
+    # GPT-OSS's sliding layers without the sinks: every query tile sees two key tiles
+    narrow = fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=8, causal=True, window_left=128)
+    for spec in (*dense, window, alibi, narrow):
         d, causal = spec.head_dim, spec.causal
         base = fa4gen.plan(spec)
         out.append(("default", spec, base))
@@ -112,9 +115,10 @@ def main(command: str, seqlens: tuple[int, ...] = SEQLENS, labels: tuple[str, ..
             print(f"{label:12} {bench.format_row(bench.bench_case(case, impls), list(impls))}", flush=True)
 
 
-def ab(seqlens: tuple[int, ...], label_a: str, label_b: str) -> None:
-    """Every spec with both rows: A, B, flash-attn-4, B, A timed on the same inputs in one
-    bench_case, so linear drift of the shared GPU favours neither; prints B's mean over A's."""
+def ab(seqlens: tuple[int, ...], label_a: str, label_b: str, only: str = "") -> None:
+    """Every spec with both rows (whose summary contains ``only``): A, B, flash-attn-4, B, A timed
+    on the same inputs in one bench_case, so linear drift of the shared GPU favours neither;
+    prints B's mean over A's."""
     print("matmul ceiling", round(bench.matmul_ceiling_tflops()), flush=True)
     plans: dict[str, dict[str, fa4gen.Plan]] = {}
     specs = {}
@@ -123,7 +127,7 @@ def ab(seqlens: tuple[int, ...], label_a: str, label_b: str) -> None:
         specs[spec.summary()] = spec
     for seqlen in seqlens:
         for name, by_label in plans.items():
-            if label_a not in by_label or label_b not in by_label:
+            if label_a not in by_label or label_b not in by_label or only not in name:
                 continue
             case = bench.make_case(specs[name], seqlen)
             a, b = (fa4gen.compile(specs[name], kernel_plan=by_label[label]) for label in (label_a, label_b))
@@ -165,8 +169,8 @@ if __name__ == "__main__":
     argv = sys.argv[1:] + [""] * 3
     if argv[0] == "combine":  # schedule_options.py combine AB.txt BA.txt
         combine(argv[1], argv[2])
-    elif argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B
-        ab(tuple(int(s) for s in argv[1].split(",")), *argv[2].split(","))
+    elif argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B [SPEC_SUBSTRING]
+        ab(tuple(int(s) for s in argv[1].split(",")), *argv[2].split(","), argv[3])
     else:
         main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
              tuple(argv[2].split(",")) if argv[2] else ())

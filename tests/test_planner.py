@@ -489,3 +489,21 @@ def test_interleaved_heads_are_a_candidate_of_the_head_major_order():
         assert base.head_interleave == 1
         assert ("interleaves" not in base.reasons["head_interleave"]) and base.reasons["head_interleave"]
         assert any(p.head_interleave == 2 for p in candidates(spec, "sm_90a")) is offered, fields
+
+
+def test_narrow_windows_run_without_pingpong():
+    """A window that spans at most two key tiles per query tile leaves too few MMAs to take
+    turns over: ping-pong off (measured 1.12x on the H200), offered back to `fa4gen tune`;
+    wider windows, chunks and plain causal keep it."""
+    for fields, narrow in (({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, True),
+                           ({"head_dim": 128, "window_left": 64, "window_right": 64}, True),
+                           ({"head_dim": 128, "causal": True, "window_left": 129}, False),
+                           ({"head_dim": 128, "causal": True, "window_left": 1024}, False),
+                           ({"head_dim": 64, "mask": {"kind": "chunked", "size": 128}}, False),
+                           ({"head_dim": 128, "causal": True}, False)):
+        spec = AttentionSpec(**fields)
+        base = plan(spec, "sm_90a")
+        assert base.pingpong is not narrow, fields
+        assert ("narrow window" in base.reasons["pingpong"]) is narrow, fields
+        if narrow:
+            assert any(p.pingpong for p in candidates(spec, "sm_90a")), fields

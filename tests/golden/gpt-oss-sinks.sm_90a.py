@@ -25,8 +25,8 @@
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
 #     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
 #     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
-#     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
-#     turnless_edges             False      every MMA issue takes a ping-pong turn (turnless first and last MMAs of a query tile, a tuning candidate, measured 0.97-1.03x per cell, 0.995x over 14 cells on the H200)
+#     pingpong                   False      off for a narrow window: a query tile sees at most two key tiles, too few MMAs to take turns over (measured on the H200 without ping-pong: 1.12x at d64 gqa8 causal window 128, S=4096 and 16384)
+#     turnless_edges             False      no ping-pong: no turns to take
 #     mask_runs                  True       key tiles crossing a mask bound and interior ones run in separate loops, traced with and without the mask code: no key tile branches on a mask flag (measured on the H200 against one loop with a flag per tile: 1.04x over 12 causal and window cells, 1.10x at d128 causal S=8192)
 #     pinned_pv_wait             False      the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over 22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
@@ -82,7 +82,7 @@ def make_kernel() -> HopperAttentionForward:
         extra_names=EXTRAS,
         return_lse=False,
         intra_warpgroup_overlap=True,
-        pingpong=True,
+        pingpong=False,
         turnless_edges=False,
         mask_runs=True,
         pinned_pv_wait=False,
