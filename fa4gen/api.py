@@ -17,7 +17,7 @@ from fa4gen import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, SeqlenSplit, plan, seqlen_splits
+from fa4gen.planner import Plan, SeqlenSplit, plan, plan_problem, seqlen_splits
 from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
@@ -99,6 +99,8 @@ def _build_plan(spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: Ker
     """One plan: emit, compile and store under its key (or find it there)."""
     if kernel_plan.arch != target.value:
         raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
+    if problem := plan_problem(kernel_plan):
+        raise ValueError(f"kernel_plan cannot run: {problem}")
     key = make_key(cache_key_parts(spec, kernel_plan, target))
     meta = {
         "spec": spec.canonical(),

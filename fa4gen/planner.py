@@ -16,6 +16,7 @@ from fa4gen.arch import Arch, require_supported
 from fa4gen.spec import AttentionSpec
 
 WARPGROUP_MMA_M = 64  # rows of one Hopper warpgroup MMA
+WARPGROUP_THREADS = 128
 MMA_K_GRANULE = 16  # K extent of one 16-bit wgmma; head dims are zero-padded (by TMA) to this
 SMEM_RESERVE_BYTES = 1024  # mbarriers, the tile info words (sm90_fwd.publish_tile) and alignment slack
 
@@ -124,8 +125,36 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
 EXP2_POLY_PERIOD_SOFTCAP = 0
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
-# (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) <= 64 K
+# (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
+# CTA's register pool (sm90_register_pool)
 SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# A window at d > 192: the producer's per-tile window bounds, K/V head and schedule position
+# spilled at 24 registers with GQA or two bounds (7 local loads and stores per tile in SASS); 40
+# leave its loop spill-free, and the d256 consumers' code at 232 is the same as at 240 (no
+# spills; Gemma 2's kernel: 16 fewer instructions, all the producer's).
+SM90_WIDE_WINDOW_SPLIT = (40, 232)
+
+
+def sm90_register_pool(warpgroups: int) -> int:
+    """The registers setmaxnreg shares out within a CTA of ``warpgroups`` consumers and the
+    producer: ptxas launches every thread with the most registers one CTA per SM allows, rounded
+    down to 8 (168 at 384 threads: 64512, not the SM's 65536). A split over the pool makes
+    setmaxnreg.inc wait forever."""
+    caps = Arch.SM90A.caps
+    threads = WARPGROUP_THREADS * (warpgroups + 1)
+    return min(caps.max_regs_per_thread, caps.registers_per_sm // threads // 8 * 8) * threads
+
+
+def _register_split(spec: AttentionSpec, warpgroups: int, width: int) -> tuple[int, int, str]:
+    """(producer, consumer) setmaxnreg targets, and why the producer gets its share."""
+    producer, consumer = SM90_REGISTER_SPLIT[warpgroups]
+    why = "the producer only issues TMA: give its registers to the consumers"
+    if warpgroups == 2 and width > 192 and spec.left_bound is not None:
+        producer, consumer = SM90_WIDE_WINDOW_SPLIT
+        why = (f"a window at d > 192: the producer's per-tile bounds spilled at "
+               f"{SM90_REGISTER_SPLIT[2][0]} registers; {producer} leave it spill-free and the consumers' code "
+               f"is the same at {consumer}")
+    return producer, consumer, why
 
 
 def _round_up(value: int, granule: int) -> int:
@@ -239,7 +268,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     dv = _round_up(spec.dv, MMA_K_GRANULE)
     row = row or _sm90_row(spec)
     warpgroups, warpgroup_reason, tile_n, tile_reason = _sm90_register_fit(spec, row, max(dqk, dv))
-    producer_regs, consumer_regs = SM90_REGISTER_SPLIT[warpgroups]
+    producer_regs, consumer_regs, producer_reason = _register_split(spec, warpgroups, max(dqk, dv))
     exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_order, order_reason = _tile_order(spec)
     # a row that sends P through smem for its register budget keeps P in registers once the
@@ -249,7 +278,6 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     tile_n, stages, separate_o, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
-    assert 128 * (producer_regs + warpgroups * consumer_regs) <= Arch.SM90A.caps.registers_per_sm
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -263,9 +291,11 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
-           "tile_order": order_reason,
+           "tile_order": order_reason, "producer_regs": producer_reason,
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
-    return Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
+    planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
+    assert not plan_problem(planned), plan_problem(planned)
+    return planned
 
 
 def _narrow_window(spec: AttentionSpec, tile_m: int, tile_n: int) -> bool:
@@ -284,7 +314,7 @@ def _mask_runs_apply(spec: AttentionSpec) -> bool:
 def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
     """The reason for each sm_90a plan field that follows from the others."""
     caps = Arch.SM90A.caps
-    regs_total = 128 * (f["producer_regs"] + f["num_consumer_warpgroups"] * f["consumer_regs"])
+    regs_total = WARPGROUP_THREADS * (f["producer_regs"] + f["num_consumer_warpgroups"] * f["consumer_regs"])
     return {
         "arch": f"target {Arch.SM90A.value}: {caps.note}",
         "kernel": "warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups",
@@ -292,9 +322,9 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "q_stages": "a second Q buffer fits: the next tile's Q loads while this one computes (no wait "
         "for Q between tiles)" if f["q_stages"] == 2 else
         "one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done",
-        "producer_regs": "the producer only issues TMA: give its registers to the consumers",
         "consumer_regs": f"{f['num_consumer_warpgroups']}x128 threads x {f['consumer_regs']} + 128 x "
-        f"{f['producer_regs']} = {regs_total} <= {caps.registers_per_sm} registers",
+        f"{f['producer_regs']} = {regs_total} <= {sm90_register_pool(f['num_consumer_warpgroups'])} registers "
+        "(the CTA's pool at launch)",
         "head_dim_padded": f"wgmma K granule is {MMA_K_GRANULE}; TMA zero-fills the padding",
         "head_dim_v_padded": f"kept to a multiple of {MMA_K_GRANULE}; the store masks padded columns",
         "p_in_registers": "P converts in registers to the A operand of the P.V wgmma (no smem traffic)"
@@ -428,12 +458,26 @@ def plan_smem_bytes(p: Plan) -> int:
                            p.separate_o_smem, p.q_stages, not p.p_in_registers)
 
 
+def plan_problem(p: Plan) -> str:
+    """Why the GPU cannot run ``p`` at all ("" when it can): shared memory over the limit, or a
+    register split over the CTA's pool (setmaxnreg.inc would wait forever)."""
+    limit = Arch.SM90A.caps.smem_bytes_per_cta
+    if plan_smem_bytes(p) > limit:
+        return f"its buffers take {plan_smem_bytes(p)} bytes of shared memory, over the {limit} available"
+    registers = WARPGROUP_THREADS * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs)
+    pool = sm90_register_pool(p.num_consumer_warpgroups)
+    if registers > pool:
+        return (f"producer_regs {p.producer_regs} + {p.num_consumer_warpgroups} x consumer_regs {p.consumer_regs} "
+                f"take {registers} registers, over the CTA's pool of {pool}")
+    return ""
+
+
 def sm90_fits(p: Plan) -> bool:
-    """Shared memory and a register estimate (S fp32 + P 16-bit + O fp32 per thread) fit."""
-    smem = plan_smem_bytes(p)
+    """Shared memory, the register split and a register estimate (S fp32 + P 16-bit + O fp32 per
+    thread) fit."""
     fragments = p.tile_n // 2 + (p.tile_n // 4 if p.p_in_registers else 0) + p.head_dim_v_padded // 2
     o_over_q_ok = p.separate_o_smem or (p.head_dim_v_padded <= p.head_dim_padded and p.q_stages == 1)
-    return (smem <= Arch.SM90A.caps.smem_bytes_per_cta and fragments + REGISTER_HEADROOM <= p.consumer_regs
+    return (not plan_problem(p) and fragments + REGISTER_HEADROOM <= p.consumer_regs
             and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
 
 

@@ -12,6 +12,8 @@ from fa4gen.planner import (
     Plan,
     candidates,
     plan,
+    plan_problem,
+    sm90_register_pool,
     sm90_smem_bytes,
 )
 from fa4gen.spec import AttentionSpec
@@ -48,7 +50,9 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     assert p.smem_bytes <= SMEM_LIMIT
     threads_per_warpgroup = 128
     total_regs = threads_per_warpgroup * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs)
-    assert total_regs <= 65536
+    # the launch gives each of the CTA's threads the same registers, a multiple of 8
+    launch_per_thread = 65536 // (threads_per_warpgroup * (p.num_consumer_warpgroups + 1)) // 8 * 8
+    assert total_regs <= launch_per_thread * threads_per_warpgroup * (p.num_consumer_warpgroups + 1)
     assert total_regs <= CAPS.registers_per_sm
     assert p.consumer_regs <= CAPS.max_regs_per_thread
     assert p.producer_regs % 8 == 0 and p.consumer_regs % 8 == 0  # setmaxnreg granularity
@@ -507,3 +511,34 @@ def test_narrow_windows_run_without_pingpong():
         assert ("narrow window" in base.reasons["pingpong"]) is narrow, fields
         if narrow:
             assert any(p.pingpong for p in candidates(spec, "sm_90a")), fields
+
+
+def test_wide_windows_give_the_producer_more_registers():
+    """A window at d > 192 moves 8 registers per consumer thread to the producer, whose loop
+    spilled at 24 (the SASS check in test_crosscompile holds every kernel to zero spills);
+    other kernels keep 24 / 240. Every split fits the CTA's launch pool, not just the SM."""
+    for fields, split in (({"head_dim": 256, "qhead_per_kvhead": 2, "causal": True, "window_left": 4096}, (40, 232)),
+                          ({"head_dim": 256, "window_left": 512, "window_right": 512}, (40, 232)),
+                          ({"head_dim": 256, "causal": True}, (24, 240)),
+                          ({"head_dim": 192, "head_dim_v": 128, "causal": True, "window_left": 1024}, (24, 240)),
+                          ({"head_dim": 128, "causal": True, "window_left": 1024}, (24, 240)),
+                          ({"head_dim": 64, "causal": True, "window_left": 1024}, (24, 240))):
+        p = plan(AttentionSpec(**fields), "sm_90a")
+        assert (p.producer_regs, p.consumer_regs) == split, fields
+        assert ("spilled" in p.reasons["producer_regs"]) is (split == (40, 232)), fields
+        assert f"<= {sm90_register_pool(p.num_consumer_warpgroups)}" in p.reasons["consumer_regs"]
+    assert sm90_register_pool(2) == 168 * 384 and sm90_register_pool(3) == 128 * 512
+
+
+def test_a_split_over_the_register_pool_is_refused_before_compiling(tmp_path):
+    """32 + 2 x 240 registers fit the SM's 65536 but not the 64512 the launch gives a 384-thread
+    CTA: setmaxnreg.inc would hang the GPU, so build refuses the plan, naming the fields."""
+    import fa4gen
+
+    spec = AttentionSpec(head_dim=128)
+    over = plan(spec, "sm_90a").model_copy(update={"producer_regs": 32})
+    assert "over the CTA's pool of 64512" in plan_problem(over)
+    assert not plan_problem(plan(spec, "sm_90a"))
+    with pytest.raises(ValueError, match="producer_regs 32 .* consumer_regs 240"):
+        fa4gen.build(spec, "sm_90a", kernel_plan=over, cache_dir=tmp_path)
+    assert not any(tmp_path.rglob("kernel.cubin"))

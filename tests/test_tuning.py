@@ -10,7 +10,7 @@ import pytest
 import fa4gen
 from fa4gen import api, tuning
 from fa4gen.arch import Arch
-from fa4gen.planner import candidates, plan_smem_bytes
+from fa4gen.planner import candidates, plan_smem_bytes, sm90_register_pool
 
 SPECS = [
     fa4gen.AttentionSpec(head_dim=64, causal=True),
@@ -31,7 +31,8 @@ def test_candidates_start_with_the_default_and_all_fit(spec):
         assert p.separate_o_smem or p.q_stages == 1
         assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
         assert p.tile_m == 64 * p.num_consumer_warpgroups and p.tile_n % 16 == 0
-        assert 128 * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs) <= 65536
+        assert 128 * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs) <= sm90_register_pool(
+            p.num_consumer_warpgroups)
         assert not p.pingpong or p.intra_warpgroup_overlap
         assert all(p.reasons.get(name) for name in type(p).model_fields if name != "reasons")
 

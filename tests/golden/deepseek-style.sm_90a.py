@@ -17,7 +17,7 @@
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            192        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)

@@ -18,8 +18,8 @@
 #     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB; a two-sided window (both bounds checked per tile) at d256: S back to 64 keys so nothing spills
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB
-#     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     producer_regs              40         a window at d > 192: the producer's per-tile bounds spilled at 24 registers; 40 leave it spill-free and the consumers' code is the same at 232
+#     consumer_regs              232        2x128 threads x 232 + 128 x 40 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            256        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          256        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
@@ -78,8 +78,8 @@ def make_kernel() -> HopperAttentionForward:
         q_stages=1,
         p_in_registers=True,
         num_consumer_warpgroups=2,
-        producer_regs=24,
-        consumer_regs=240,
+        producer_regs=40,
+        consumer_regs=232,
         scale_log2=SCALE_LOG2,
         window_left=4096,
         window_right=0,

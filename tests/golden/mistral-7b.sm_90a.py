@@ -17,7 +17,7 @@
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            128        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)

@@ -16,7 +16,7 @@
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of its rows idle; from S=2048 on the 192-row tiles win
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            96         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          96         kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)

@@ -16,7 +16,7 @@
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers
+#     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers (the CTA's pool at launch)
 #     head_dim_padded            96         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          96         kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             False      S and O fill the registers of 3 warpgroups: each warpgroup writes its P tile to shared memory (stmatrix) for the P.V wgmma

@@ -18,7 +18,7 @@
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: a relative_bias score modifier (coordinates per score) needs more than 160 registers per thread: 2 warpgroups at 240
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 65536 registers
+#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            64         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          64         kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)

@@ -15,7 +15,7 @@
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers
+#     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers (the CTA's pool at launch)
 #     head_dim_padded            64         wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          64         kept to a multiple of 16; the store masks padded columns
 #     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
