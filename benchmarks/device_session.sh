@@ -12,7 +12,9 @@
 # grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
 # (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~0.3 s
 # a row; rows rank options only past this machine's 20% first-timing spread: decide with
-# `schedule_options.py ab SEQLENS A,B` and again with B,A). Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over
+# `schedule_options.py ab SEQLENS A,B` and again with B,A), ab (default against each of LABELS
+# in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match). Everything lands under $OUT with
+# env.txt. A call may run 600 s: split the parts over
 # calls made while the machine is warm (each later call only re-sources the setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolcha
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,grid,variants,schedule}," seqlens="${2:-}" labels="${3:-}"
+    local parts=",${1:?PARTS: tests,grid,variants,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
     set +u; source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1; set -u  # not written for nounset
     chmod -R go-w .devcache  # a cache others can write is refused
     export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
@@ -47,6 +49,15 @@ run() {
     if [[ $parts == *,schedule,* ]]; then
         python3 benchmarks/schedule_options.py run "${seqlens:?SEQLENS}" "${labels:?LABELS}" > "$OUT/schedule.txt" 2>&1
         tail -n 40 "$OUT/schedule.txt"
+    fi
+    if [[ $parts == *,ab,* ]]; then  # default against each label, both orders; AB_SPEC: a summary regex
+        for label in ${labels//,/ }; do
+            python3 -W ignore benchmarks/schedule_options.py ab "${seqlens:?SEQLENS}" "default,$label" "${AB_SPEC:-}" \
+                > "$OUT/ab-$label-1.txt" 2>&1
+            python3 -W ignore benchmarks/schedule_options.py ab "$seqlens" "$label,default" "${AB_SPEC:-}" \
+                > "$OUT/ab-$label-2.txt" 2>&1
+            python3 benchmarks/schedule_options.py combine "$OUT/ab-$label-1.txt" "$OUT/ab-$label-2.txt" | tail -n 3
+        done
     fi
     if [[ $parts == *,grid,* ]]; then
         python3 benchmarks/run.py run --grid full --part 1/2 --out "$OUT/grid-1.json" > "$OUT/grid-1.txt" 2>&1

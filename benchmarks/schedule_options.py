@@ -5,7 +5,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
     python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
-    python benchmarks/schedule_options.py ab 4096 default,serial "window(128"   # specs whose summary has it
+    python benchmarks/schedule_options.py ab 4096 default,serial "window\(128"  # specs whose summary matches
     python benchmarks/schedule_options.py combine AB.txt BA.txt        # both orders of an ab: B/A
 """
 
@@ -116,9 +116,9 @@ def main(command: str, seqlens: tuple[int, ...] = SEQLENS, labels: tuple[str, ..
 
 
 def ab(seqlens: tuple[int, ...], label_a: str, label_b: str, only: str = "") -> None:
-    """Every spec with both rows (whose summary contains ``only``): A, B, flash-attn-4, B, A timed
-    on the same inputs in one bench_case, so linear drift of the shared GPU favours neither;
-    prints B's mean over A's."""
+    """Every spec with both rows (whose summary matches the regular expression ``only``): A, B,
+    flash-attn-4, B, A timed on the same inputs in one bench_case, so linear drift of the shared
+    GPU favours neither; prints B's mean over A's."""
     print("matmul ceiling", round(bench.matmul_ceiling_tflops()), flush=True)
     plans: dict[str, dict[str, fa4gen.Plan]] = {}
     specs = {}
@@ -127,7 +127,7 @@ def ab(seqlens: tuple[int, ...], label_a: str, label_b: str, only: str = "") -> 
         specs[spec.summary()] = spec
     for seqlen in seqlens:
         for name, by_label in plans.items():
-            if label_a not in by_label or label_b not in by_label or only not in name:
+            if label_a not in by_label or label_b not in by_label or not re.search(only, name):
                 continue
             case = bench.make_case(specs[name], seqlen)
             a, b = (fa4gen.compile(specs[name], kernel_plan=by_label[label]) for label in (label_a, label_b))
