@@ -218,10 +218,13 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
       keys, causal / window bounds aligned to the document's end; end == start: none). The kernel
       reads a row's range with one load where cu_seqlens would take two dependent ones, at every
       query tile's start, on the consumers' critical path;
-    - the query tiles ranked by their work, most first, (tiles, 5) int32: the persistent schedule
+    - the query tiles ranked by their work, most first, (tiles, 9) int32: the persistent schedule
       hands out the heaviest first (work restarts at every document, so tile order alone does not
-      rank it). Each row is (query tile, key range of its first row, key range of its last row):
-      the kernel finds a tile's key-tile bounds with one load after decoding its rank."""
+      rank it). Each row is (query tile, key range of its first row, key range of its last row,
+      whether its rows lie in one document, then that document's shift from a row to its key
+      position and its key range [start, end)): the kernel finds a tile's key-tile bounds with
+      one load after decoding its rank, and a tile inside one document its rows' key ranges with
+      none."""
     import torch
 
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
@@ -238,7 +241,13 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
     last = (first + tile_m).clamp(max=total) - 1
     work = (-(-end[last] // tile_n) - start[first] // tile_n).clamp(min=0)
     order = torch.argsort(work, descending=True, stable=True)
-    tiles = torch.stack((order, start[first[order]], end[first[order]], start[last[order]], end[last[order]]), dim=1)
+    first_doc, last_doc = docs[first[order]], docs[last[order]]
+    # a tile inside one document: its rows' ranges follow from the document's key bounds and
+    # the shift from row to key position (masking.row_ranges), with no load per row
+    single = (first_doc == last_doc).long()
+    shift = cu_k[first_doc + 1] - cu_q[first_doc + 1]
+    tiles = torch.stack((order, start[first[order]], end[first[order]], start[last[order]], end[last[order]],
+                         single, shift, cu_k[first_doc], cu_k[first_doc + 1]), dim=1)
     return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), tiles.to(torch.int32).contiguous()
 
 

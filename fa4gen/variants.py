@@ -87,9 +87,10 @@ def lower(spec: AttentionSpec) -> Lowered:
         # derived from cu_seqlens by the callable (fa4gen.runtime.document_tables): every packed
         # query row's [start, end) of packed keys, document and causal / window bounds applied
         # (one load per row, no dependent loads), and the query tiles ranked by work, most first
-        # (the persistent schedule's order), each with its first and last rows' key ranges
+        # (the persistent schedule's order), each with its first and last rows' key ranges and, for
+        # a tile inside one document, that document's bounds
         extras += [Extra("doc_key_ranges", "doc_key_ranges", "int32", ("Sq", 2)),
-                   Extra("doc_tiles", "doc_tiles", "int32", ("M", 5))]
+                   Extra("doc_tiles", "doc_tiles", "int32", ("M", 9))]
     if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
         extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
                    Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),

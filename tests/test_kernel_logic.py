@@ -335,9 +335,12 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
                     assert masked[row, order.index(n)] == 1, f"query tile {m}: key tile {n} is partial, unmasked"
 
 
-def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple) -> torch.Tensor:
+def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple,
+                   by_document: bool = False) -> torch.Tensor:
     """(batches, M * tile_m, N * tile_n): 0 where the kernel's per-thread masking (row_ranges +
-    apply on each thread's wgmma C fragment) keeps a score, -inf where it masks it."""
+    apply on each thread's wgmma C fragment) keeps a score, -inf where it masks it.
+    ``by_document``: packed documents' row ranges from each tile's document bounds in the
+    ranking, as the kernel's consumers take them, else from the per-row table."""
     num_m, num_n = -(-seqlen_q // kernel.tile_m), -(-seqlen_k // kernel.tile_n)
     out = torch.full((batches * num_m * kernel.tile_m, num_n * kernel.tile_n), float("nan"))
     count, padded = len(extras), _padded(extras)
@@ -351,11 +354,20 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
         identity = cute.make_identity_tensor((64, kernel.tile_n))
         for batch in cutlass.range(num_batches, unroll=1):
             for m_block in cutlass.range(num_m_blocks, unroll=1):
+                document = None
+                if cutlass.const_expr(by_document):  # the ranking's row of this query tile
+                    ranking = args.doc_tiles
+                    rank = Int32(0)
+                    for r in cutlass.range(num_m_blocks, unroll=1):
+                        if ranking[r, 0] == m_block:
+                            rank = r
+                    document = (ranking[rank, 5], ranking[rank, 6], ranking[rank, 7], ranking[rank, 8])
                 for wg in cutlass.range_constexpr(kernel.num_consumers):
                     row_base = m_block * kernel.tile_m + wg * 64
                     for thread in cutlass.range(128, unroll=1):
                         coords = rows_cols_view(qk_mma.get_slice(thread).partition_C(identity))
-                        starts, ends = kernel.key_tiles.row_ranges(coords, row_base, batch, seqlen_q, seqlen_k, args)
+                        starts, ends = kernel.key_tiles.row_ranges(coords, row_base, batch, seqlen_q, seqlen_k, args,
+                                                                   document)
                         for n_block in cutlass.range(cute.ceil_div(seqlen_k, kernel.tile_n), unroll=1):
                             scores = cute.make_rmem_tensor(coords.shape, cutlass.Float32)
                             scores.fill(0.0)
@@ -382,9 +394,12 @@ def test_per_thread_masking_keeps_exactly_the_visible_scores(name, shape):
     kernel = _kernel(spec, fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update))
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
-    scores = _masked_scores(kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args))
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)[:, 0].expand(batches, -1, -1)
-    kept = scores[:, :seqlen_q, :seqlen_k] == 0
-    assert not scores[:, :seqlen_q, :seqlen_k].isnan().any(), "a score no thread holds"
-    assert torch.equal(kept, visible)
-    assert (scores[:, :seqlen_q, seqlen_k:] == float("-inf")).all()  # the ragged tile's keys past Sk
+    # documents: both ways to a row's range (a tile inside one document, and the per-row table)
+    for by_document in (False, True) if spec.is_varlen else (False,):
+        scores = _masked_scores(kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args),
+                                by_document)
+        kept = scores[:, :seqlen_q, :seqlen_k] == 0
+        assert not scores[:, :seqlen_q, :seqlen_k].isnan().any(), "a score no thread holds"
+        assert torch.equal(kept, visible), f"by_document={by_document}"
+        assert (scores[:, :seqlen_q, seqlen_k:] == float("-inf")).all()  # the ragged tile's keys past Sk

@@ -128,7 +128,7 @@ def test_documents_check_their_cumulative_lengths():
     q, k = _qk(batch=1, sq=10, sk=12)
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
     ranges = torch.zeros(10, 2, dtype=torch.int32)
-    tiles = torch.zeros(1, 5, dtype=torch.int32)
+    tiles = torch.zeros(1, 9, dtype=torch.int32)
     given = _none(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, doc_key_ranges=ranges, doc_tiles=tiles)
     # checked, but not kernel arguments: the kernel reads the tables derived from them
     assert variant_arguments(spec, q, k, given, None) == [ranges, tiles]
@@ -150,8 +150,8 @@ def test_document_tables_follow_cu_seqlens_and_are_reused():
     # causal within each document: [document start, own position + 1)
     assert ranges.tolist() == [[0, 1], [0, 2], [0, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
     assert ranges.dtype == tiles.dtype == torch.int32 and ranges.is_contiguous() and tiles.is_contiguous()
-    # one query tile: its first row's range and its last row's
-    assert tiles.tolist() == [[0, 0, 1, 3, 7]]
+    # one query tile: its first row's range and its last row's; its rows span two documents
+    assert tiles.tolist() == [[0, 0, 1, 3, 7, 0, 0, 0, 3]]
     assert kernel._document_tables(cu, cu, 7)[0] is ranges  # same tensors, unmodified: reused
     cu[1] = 1  # modified in place: rebuilt
     assert kernel._document_tables(cu, cu, 7)[0].tolist() == [[0, 1], [1, 2], [1, 3], [3, 4], [3, 5], [3, 6], [3, 7]]
@@ -184,7 +184,34 @@ def test_document_query_tiles_are_ranked_by_work():
     assert position_in_doc == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]  # last tiles of each document first
     assert sorted(order.tolist()) == list(range(12))
     first = order.long() * plan.tile_m  # each rank's row: its tile's first and last rows' key ranges
-    assert torch.equal(tiles[:, 1:3], ranges[first]) and torch.equal(tiles[:, 3:], ranges[first + plan.tile_m - 1])
+    assert torch.equal(tiles[:, 1:3], ranges[first]) and torch.equal(tiles[:, 3:5], ranges[first + plan.tile_m - 1])
+    # each tile lies in one document: its key bounds, and the shift from a row to its key position
+    # (equal documents: zero); every row's range follows from them
+    document = order.long() // 4
+    assert tiles[:, 5].tolist() == [1] * 12 and tiles[:, 6].tolist() == [0] * 12
+    assert torch.equal(tiles[:, 7].long(), document * doc) and torch.equal(tiles[:, 8].long(), (document + 1) * doc)
+
+
+def test_document_tiles_carry_their_documents_bounds():
+    """A tile inside one document carries the shift from its rows to their key positions and the
+    document's key range, from which every row's range follows (masking.row_ranges); a tile
+    whose rows span documents is flagged, and its rows' ranges are read from the table."""
+    from fa4gen.runtime import document_tables
+
+    spec = fa4gen.AttentionSpec(head_dim=64, mask="document", window_left=100, window_right=0)
+    cu_q = torch.tensor([0, 300, 310, 700], dtype=torch.int32)
+    cu_k = torch.tensor([0, 250, 400, 1000], dtype=torch.int32)
+    ranges, tiles = document_tables(spec, 128, 128, cu_q, cu_k, 700)
+    for m_block, _, _, _, _, single, shift, key_start, key_end in tiles.tolist():
+        rows = torch.arange(m_block * 128, min(m_block * 128 + 128, 700))
+        documents = torch.searchsorted(cu_q, rows, right=True) - 1
+        assert single == int(documents.min() == documents.max()), m_block
+        if single:
+            position = rows + shift
+            start = torch.clamp(position - 100, min=key_start)
+            end = torch.clamp(position + 1, max=key_end)
+            assert torch.equal(torch.stack((start, torch.maximum(end, start)), 1), ranges[rows].long()), m_block
+    assert [row[5] for row in sorted(tiles.tolist())] == [1, 1, 0, 1, 1, 1]  # rows 256-383 span three
 
 
 def test_each_length_range_runs_its_kernel():

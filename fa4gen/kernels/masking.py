@@ -8,7 +8,8 @@ Every structural mask gives query row i one visible key interval [start(i), end(
 - prefix-LM: [0, max(p + 1, prefix[b])), the prefix length a run-time tensor per batch;
 - document (packed sequences): the interval of the row's own document, with p aligned to that
   document's end, combined with causal / windows as above; the caller computes it per row from
-  cu_seqlens (fa4gen.runtime.document_tables), so the kernel reads it with one load.
+  cu_seqlens (fa4gen.runtime.document_tables), so the kernel reads it with one load, and per
+  query tile its document's bounds, so a tile inside one document needs no load per row.
 Rows without keys get an empty interval at their start.
 Both start(i) and end(i) never decrease with i, so a query tile's key range comes from its first
 and last rows alone: tiles in [n_min, split_lo) and [split_hi, n_max) are masked boundary tiles,
@@ -53,19 +54,23 @@ class KeyTileRange:
     @cute.jit
     def formula_row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """``row_range`` of every mask but documents, from the sizes (and prefix lengths)."""
-        start = Int32(0)
-        end = seqlen_k
         position = row + seqlen_k - seqlen_q
-        if cutlass.const_expr(self.right is not None):
-            end = cutlass.min(end, position + self.right + 1)
-        if cutlass.const_expr(self.left is not None):
-            start = cutlass.max(start, position - self.left)
+        start, end = self.window_range(position, Int32(0), seqlen_k)
         if cutlass.const_expr(self.chunk is not None):
             start = cutlass.max(start, cutlass.max(position, 0) // self.chunk * self.chunk)
         if cutlass.const_expr(self.prefix):
             end = cutlass.min(cutlass.max(position + 1, args.prefix_lengths[batch]), seqlen_k)
         # a row without keys gets the empty interval [start, start): ends never decrease then
         end = cutlass.max(end, start)
+        return start, end
+
+    @cute.jit
+    def window_range(self, position: Int32, start: Int32, end: Int32):
+        """[start, end) cut by the causal / window bounds around key ``position`` (the row's)."""
+        if cutlass.const_expr(self.right is not None):
+            end = cutlass.min(end, position + self.right + 1)
+        if cutlass.const_expr(self.left is not None):
+            start = cutlass.max(start, position - self.left)
         return start, end
 
     @cute.jit
@@ -103,15 +108,34 @@ class KeyTileRange:
 
     @cute.jit
     def row_ranges(self, coords_mn: cute.Tensor, row_base: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                   args):
-        """The visible interval of each of this thread's rows, once per query tile."""
+                   args, document=None):
+        """The visible interval of each of this thread's rows, once per query tile. ``document``:
+        for packed documents, the tile's (single, shift, key start, key end) from the caller's
+        ranking (runtime.document_tables): a tile whose rows all lie in one document computes
+        them from its bounds (row + shift is the row's key position), with no load per row."""
         rows = cute.size(coords_mn, mode=[0])
         starts = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
         ends = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
-        for r in cutlass.range_constexpr(rows):
+        if cutlass.const_expr(document is not None):
+            single, shift, key_start, key_end = document
+            if single != 0:
+                for r in cutlass.range_constexpr(rows):
+                    row = cutlass.min(row_base + coords_mn[r, 0][0], seqlen_q - 1)
+                    start, end = self.window_range(row + shift, key_start, key_end)
+                    starts[r], ends[r] = start, cutlass.max(end, start)
+            else:
+                self._rows_by_range(starts, ends, coords_mn, row_base, batch, seqlen_q, seqlen_k, args)
+        else:
+            self._rows_by_range(starts, ends, coords_mn, row_base, batch, seqlen_q, seqlen_k, args)
+        return starts, ends
+
+    @cute.jit
+    def _rows_by_range(self, starts: cute.Tensor, ends: cute.Tensor, coords_mn: cute.Tensor, row_base: Int32,
+                       batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """``row_ranges`` row by row through ``row_range`` (formula, or the documents' table)."""
+        for r in cutlass.range_constexpr(cute.size(coords_mn, mode=[0])):
             row = cutlass.min(row_base + coords_mn[r, 0][0], seqlen_q - 1)  # rows past Sq are discarded
             starts[r], ends[r] = self.row_range(row, batch, seqlen_q, seqlen_k, args)
-        return starts, ends
 
     @cute.jit
     def apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,

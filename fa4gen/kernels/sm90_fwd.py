@@ -220,6 +220,10 @@ class HopperAttentionForward(Sm90MainLoop):
             sP: cute.struct.Align[cute.struct.MemRange[dtype, p_elems], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
+        # the barriers and tile words sit before the 1 KB-aligned Q buffer, in the planner's
+        # SMEM_RESERVE_BYTES: more of them would push every buffer up by 1 KB
+        header = 8 * 2 * (self.q_stages + 2 * self.kv_stages) + 4 * len(self.tile_fields) * self.q_stages
+        assert header <= SMEM_ALIGN, f"{header} bytes of barriers and tile words do not fit before Q"
         pairs = self.scheduler.pairs_now(k.shape[0])
         grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
         if cutlass.const_expr(self.persistent):
@@ -334,11 +338,17 @@ class HopperAttentionForward(Sm90MainLoop):
             # level of loads, where the rank, then the rows' ranges would be two
             n_min, split_lo, split_hi, n_max = self.key_tiles.bounds_of_rows(
                 ranking[rank, 1], ranking[rank, 2], ranking[rank, 3], ranking[rank, 4], sizes.seqlen_k)
+            # and its document's bounds, for the consumers' row ranges (masking.row_ranges)
+            doc_single, doc_shift = ranking[rank, 5], ranking[rank, 6]
+            doc_key_start, doc_key_end = ranking[rank, 7], ranking[rank, 8]
         else:
             n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                      sizes.args)
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
                      n_max=n_max, n_count=cutlass.max(n_max - n_min, 0))
+        if cutlass.const_expr(self.scheduler.ranked):
+            t.doc_single, t.doc_shift, t.doc_key_start, t.doc_key_end = (doc_single, doc_shift, doc_key_start,
+                                                                         doc_key_end)
         if cutlass.const_expr(self.rotate_key_tiles):
             t.rotation = m_block % cutlass.max(t.n_count, 1)
         if cutlass.const_expr(self.block_sparse):
@@ -357,7 +367,11 @@ class HopperAttentionForward(Sm90MainLoop):
             fields += ("rotation",)
         if self.block_sparse:
             fields += ("mask_b", "mask_h")
+        if self.scheduler.ranked:
+            fields += self.document_fields
         return fields
+
+    document_fields = ("doc_single", "doc_shift", "doc_key_start", "doc_key_end")
 
     @cute.jit
     def publish_tile(self, pipe_q, q_state, sTiles: cute.Tensor, t):
@@ -511,8 +525,11 @@ class HopperAttentionForward(Sm90MainLoop):
         pipe_q.consumer_wait(q_state)  # this tile's Q, and its info from the producer
         t = self.received_tile(sTiles, q_state.index)
         t.row_base = t.m_block * self.tile_m + wg * 64
+        document = None
+        if cutlass.const_expr(self.scheduler.ranked):  # the tile's document bounds (tile_info)
+            document = tuple(getattr(t, name) for name in self.document_fields)
         loop.row_start, loop.row_end = self.key_tiles.row_ranges(
-            rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args
+            rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args, document
         )
         loop.args = sizes.args
         loop.batch, loop.head = t.batch, t.head
