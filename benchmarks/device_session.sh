@@ -13,9 +13,9 @@
 # (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~0.3 s
 # a row; rows rank options only past this machine's 20% first-timing spread: decide with
 # `schedule_options.py ab SEQLENS A,B` and again with B,A), ab (default against each of LABELS
-# in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match). Everything lands under $OUT with
-# env.txt. A call may run 600 s: split the parts over
-# calls made while the machine is warm (each later call only re-sources the setup).
+# in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match).
+# Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over calls
+# made while the machine is warm (each later call only re-sources the setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=.devcache/kernels

@@ -5,7 +5,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
     python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
-    python benchmarks/schedule_options.py ab 4096 default,serial "window\(128"  # specs whose summary matches
+    python benchmarks/schedule_options.py ab 4096 default,serial "window[(]128"  # specs whose summary matches
     python benchmarks/schedule_options.py combine AB.txt BA.txt        # both orders of an ab: B/A
 """
 
