@@ -37,6 +37,11 @@ class KeyTileRange:
         self.prefix, self.document = prefix, document
 
     @property
+    def starts_at_zero(self) -> bool:
+        """Whether every row's interval starts at key 0 (no left window, chunk or document)."""
+        return self.left is None and self.chunk is None and not self.document
+
+    @property
     def structural(self) -> bool:
         """Whether any bound beyond the ragged end of Sk exists."""
         return (self.left is not None or self.right is not None or self.chunk is not None or self.prefix
@@ -140,12 +145,18 @@ class KeyTileRange:
     @cute.jit
     def apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
               col_base: Int32):
-        """Set scores outside their row's visible interval to -inf (in place)."""
+        """Set scores outside their row's visible interval to -inf (in place). Per score one compare
+        of its constant column offset against a per-row limit (two where rows may start past key
+        0), and a select: no control flow, no address arithmetic per score."""
+        first_col = col_base + coords_mn[0, 0][1]  # this thread's first column
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+            below = ends[r] - first_col  # visible: offset < below (and offset >= above)
+            above = starts[r] - first_col
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-                col = col_base + coords_mn[0, c][1]
-                # a select, not a branch: one instruction per score and no control flow to trace
-                visible = (col < ends[r]) & (col >= starts[r])
+                offset = coords_mn[0, c][1] - coords_mn[0, 0][1]  # the same for every thread
+                visible = offset < below
+                if cutlass.const_expr(not self.starts_at_zero):
+                    visible = visible & (offset >= above)
                 scores_mn[r, c] = cutlass.Float32(
                     cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf)
                 )
