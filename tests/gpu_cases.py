@@ -13,7 +13,9 @@ from fa4gen import AttentionSpec, load_spec
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 
 # (batch, seqlen_q, seqlen_k): 1, ragged tiles (17, 1000, 4097), Sq != Sk both ways
-SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (3, 4097, 4097), (1, 17, 1000), (3, 1000, 17), (1, 1, 4097)]
+# (2, 777, 1280): Sk fills whole key tiles of 64, 80 and 128 (a first key tile without a bound)
+SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (3, 4097, 4097), (1, 17, 1000), (3, 1000, 17), (1, 1, 4097),
+          (2, 777, 1280)]
 
 
 def spec_files() -> list[Path]:
@@ -129,6 +131,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "pingpong": {"pingpong": not base.pingpong, "turnless_edges": False},
             "turnless-edges": {"turnless_edges": not base.turnless_edges} if base.pingpong else None,
             "mask-runs": {"mask_runs": not base.mask_runs} if spec.has_mask else None,  # structural here
+            "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
+            if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
             "persistent": {"persistent": not base.persistent},
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},

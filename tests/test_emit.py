@@ -227,6 +227,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "pingpong": kernel_plan.pingpong,
         "turnless_edges": kernel_plan.turnless_edges,
         "mask_runs": kernel_plan.mask_runs,
+        "interior_first_tile": kernel_plan.interior_first_tile,
         "pinned_pv_wait": kernel_plan.pinned_pv_wait,
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,

@@ -168,7 +168,8 @@ def test_rejects_cpu_tensors_and_bad_heads_before_launch():
 OPTION_CASES = plan_option_cases()
 
 
-@pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17)], ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17), (2, 300, 1280)],
+                         ids=lambda s: "b{}-sq{}-sk{}".format(*s))
 @pytest.mark.parametrize("name", sorted(OPTION_CASES))
 def test_plan_option_paths(name, shape):
     """Every plan option away from its default (serial schedule, ping-pong, persistence, tile

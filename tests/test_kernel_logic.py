@@ -190,8 +190,9 @@ def _padded(extras: tuple) -> list:
 
 
 def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
-    """Per (batch, query tile): the visited key tiles in order, whether each runs the mask code,
-    and (n_min, n_max, then per consumer warpgroup the leading tiles it passes by)."""
+    """Per (batch, query tile): the visited key tiles in order, the mask code each runs (0: none,
+    1: the end compare alone, 2: the start compare too), and (n_min, n_max, then per consumer
+    warpgroup the leading tiles it passes by)."""
     num_m = -(-seqlen_q // kernel.tile_m)
     num_n = -(-seqlen_k // kernel.tile_n) + 1
     visit = torch.full((batches * num_m, num_n), -1, dtype=torch.int32)
@@ -226,19 +227,31 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                 for i in cutlass.range(t.n_count, unroll=1):
                     n_block = kernel.key_block(t, i, sizes.args)
                     visit[row, i] = n_block
+                    # as sm90_mainloop: the start compare where the tile lies below split_lo (the
+                    # first tile and tiles under a run-time flag); the first tile runs the mask
+                    # unless the kernel may leave it out and the tile lies below split_hi
+                    by_tile = Int32(1)
+                    if cutlass.const_expr(not kernel.key_tiles.starts_at_zero):
+                        if n_block < t.split_lo:
+                            by_tile = Int32(2)
                     flag = Int32(0)
-                    if i == 0:  # the first visited tile always runs the mask (sm90_mainloop)
-                        flag = Int32(1)
+                    if i == 0:
+                        flag = by_tile
+                        if cutlass.const_expr(kernel.interior_first_tile):
+                            if n_block < t.split_hi:
+                                if n_block >= t.split_lo:
+                                    flag = Int32(0)
                     if cutlass.const_expr(kernel.mask_runs):  # the run the tile falls in decides
                         right_end, left_start = kernel.mask_run_bounds(t, 0)
                         if cutlass.const_expr(kernel.has_right_mask):
-                            if i < right_end:
-                                flag = Int32(1)
+                            if i > 0:
+                                if i < right_end:
+                                    flag = Int32(1)  # the right run: the end compare alone
                         if cutlass.const_expr(kernel.has_left_mask):
                             if i >= left_start:
-                                flag = Int32(1)
+                                flag = Int32(2)
                     elif kernel.needs_mask(None, t, i, n_block):
-                        flag = Int32(1)
+                        flag = by_tile
                     masked[row, i] = flag
 
     run(from_dlpack(visit), from_dlpack(masked), from_dlpack(bounds), seqlen_q, seqlen_k, batches,
@@ -277,6 +290,7 @@ KEY_TILE_CASES = {
     "causal-d64": (dict(head_dim=64, causal=True), {}),
     "causal-d256": (dict(head_dim=256, causal=True), {}),
     "window": (dict(head_dim=128, window_left=200, window_right=30), {}),
+    "window-left-only": (dict(head_dim=128, window_left=200), {}),
     "causal-window": (dict(head_dim=128, causal=True, window_left=300), {}),
     "causal-window-groups": (dict(head_dim=128, causal=True, window_left=300),
                              {"tile_order": "heavy_first", "l2_group_bytes": 600 * 512}),
@@ -289,7 +303,7 @@ KEY_TILE_CASES = {
     "window-flags": (dict(head_dim=128, window_left=200, window_right=30), {"mask_runs": False}),
     "documents-flags": (dict(head_dim=128, causal=True, mask="document"), {"mask_runs": False}),
 }
-SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129)]
+SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129), (300, 1024)]  # last: Sk fills its tiles
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
@@ -332,7 +346,10 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
                 if tile.any():
                     assert n in order, f"query tile {m} skips key tile {n}, which holds visible keys"
                 if n in order and not tile.all():
-                    assert masked[row, order.index(n)] == 1, f"query tile {m}: key tile {n} is partial, unmasked"
+                    assert masked[row, order.index(n)] >= 1, f"query tile {m}: key tile {n} is partial, unmasked"
+                if n in order and masked[row, order.index(n)] == 1:  # the end compare alone: every
+                    # row's visible keys in the tile are a prefix of its columns
+                    assert torch.equal(tile, tile.int().cumprod(dim=1).bool()), f"query tile {m}: key tile {n}"
 
 
 def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple,
@@ -362,6 +379,8 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
                         if ranking[r, 0] == m_block:
                             rank = r
                     document = (ranking[rank, 5], ranking[rank, 6], ranking[rank, 7], ranking[rank, 8])
+                # the kernel compares the rows' starts only in key tiles below split_lo
+                _, split_lo, _, _ = kernel.key_tiles.bounds(m_block, batch, seqlen_q, seqlen_k, args)
                 for wg in cutlass.range_constexpr(kernel.num_consumers):
                     row_base = m_block * kernel.tile_m + wg * 64
                     for thread in cutlass.range(128, unroll=1):
@@ -371,7 +390,8 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
                         for n_block in cutlass.range(cute.ceil_div(seqlen_k, kernel.tile_n), unroll=1):
                             scores = cute.make_rmem_tensor(coords.shape, cutlass.Float32)
                             scores.fill(0.0)
-                            kernel.key_tiles.apply(scores, coords, starts, ends, n_block * kernel.tile_n)
+                            kernel.key_tiles.apply(scores, coords, starts, ends, n_block * kernel.tile_n,
+                                                   n_block < split_lo)
                             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                                 for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                                     out[(batch * num_m_blocks * kernel.tile_m) + row_base + coords[r, 0][0],

@@ -470,6 +470,26 @@ def test_mask_runs_follow_the_structural_bounds():
         assert any(p.mask_runs != runs for p in candidates(spec, "sm_90a")) is runs, fields
 
 
+def test_interior_first_tile_where_no_right_bound_cuts_it_up_to_d192():
+    """The first key tile gets a form without mask code where it can lie inside every row's
+    bounds (no causal or right-window bound, no expression mask), at head dims up to 192 (at d256
+    the second form cost 0.92x); where it applies, `fa4gen tune` may flip it."""
+    for fields, applies in (({}, True), ({"mask": "prefix_lm"}, True), ({"window_left": 64}, True),
+                            ({"mask": "document"}, True), ({"softcap": 30.0}, True), ({"causal": True}, False),
+                            ({"window_left": 64, "window_right": 8}, False),
+                            ({"mask": {"kind": "chunked", "size": 256}}, False),
+                            ({"causal": True, "mask": "document"}, False),
+                            ({"mask": {"kind": "expression", "expr": "kv_idx <= q_idx"}}, False)):
+        for head_dim in (64, 128, 192, 256):
+            spec = AttentionSpec(head_dim=head_dim, head_dim_v=min(head_dim, 128) if head_dim == 192 else None,
+                                 **fields)
+            base = plan(spec, "sm_90a")
+            assert base.interior_first_tile is (applies and head_dim <= 192), (fields, head_dim)
+            assert "interior_first_tile" in base.reasons
+            flipped = any(p.interior_first_tile != base.interior_first_tile for p in candidates(spec, "sm_90a"))
+            assert flipped is applies, (fields, head_dim)
+
+
 def test_measured_schedule_options_are_tuning_candidates_off_in_the_table():
     """Turnless tile edges (ping-pong plans only) and the pinned P.V wait (overlapped plans)
     measured no faster on the H200: off in the table, offered to `fa4gen tune`."""

@@ -13,7 +13,9 @@ Every structural mask gives query row i one visible key interval [start(i), end(
 Rows without keys get an empty interval at their start.
 Both start(i) and end(i) never decrease with i, so a query tile's key range comes from its first
 and last rows alone: tiles in [n_min, split_lo) and [split_hi, n_max) are masked boundary tiles,
-tiles in [split_lo, split_hi) are interior (no mask code), and the rest are never loaded.
+tiles in [split_lo, split_hi) are interior (no mask code), and the rest are never loaded. Tiles
+at or past split_lo lie at or past every row's start: their mask compares the end alone (one
+compare per score), and only tiles below split_lo compare the start too.
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ class KeyTileRange:
         tile_n = self.tile_n
         n_min = cutlass.max(first_start, 0) // tile_n
         n_max = cute.ceil_div(cutlass.max(last_end, 0), tile_n)
-        # interior: wholly inside every row's interval (and below Sk: the ragged last tile is masked)
+        # from split_lo up, tiles start at or past every row's start; below split_hi they end at
+        # or before every row's end (and Sk: the ragged last tile is masked). A tile that both
+        # bounds cut lies below split_lo, with the tiles whose mask compares the start.
         split_lo = cute.ceil_div(cutlass.max(last_start, 0), tile_n)
         split_hi = cutlass.min(cutlass.max(first_end, 0), seqlen_k) // tile_n
-        split_hi = cutlass.max(cutlass.min(split_hi, n_max), n_min)
-        split_lo = cutlass.min(cutlass.max(split_lo, n_min), split_hi)
+        split_lo = cutlass.max(cutlass.min(split_lo, n_max), n_min)
+        split_hi = cutlass.max(cutlass.min(split_hi, n_max), split_lo)
         return n_min, split_lo, split_hi, n_max
 
     @cute.jit
@@ -144,10 +148,23 @@ class KeyTileRange:
 
     @cute.jit
     def apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
-              col_base: Int32):
+              col_base: Int32, check_start=True):
         """Set scores outside their row's visible interval to -inf (in place). Per score one compare
-        of its constant column offset against a per-row limit (two where rows may start past key
-        0), and a select: no control flow, no address arithmetic per score."""
+        of its constant column offset against a per-row limit, and a select: no control flow, no
+        address arithmetic per score. ``check_start``: whether the key tile may lie below a row's
+        start (below split_lo, see bounds_of_rows), which costs a second compare per score; a
+        Python bool, or a run-time flag that selects one of the two traced forms per tile."""
+        if cutlass.const_expr(self.starts_at_zero or isinstance(check_start, bool)):
+            self._apply(scores_mn, coords_mn, starts, ends, col_base, not self.starts_at_zero and check_start)
+        elif check_start:
+            self._apply(scores_mn, coords_mn, starts, ends, col_base, True)
+        else:
+            self._apply(scores_mn, coords_mn, starts, ends, col_base, False)
+
+    @cute.jit
+    def _apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
+               col_base: Int32, check_start: cutlass.Constexpr[bool]):
+        """``apply`` with the start compare traced or not."""
         first_col = col_base + coords_mn[0, 0][1]  # this thread's first column
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
             below = ends[r] - first_col  # visible: offset < below (and offset >= above)
@@ -155,7 +172,7 @@ class KeyTileRange:
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
                 offset = coords_mn[0, c][1] - coords_mn[0, 0][1]  # the same for every thread
                 visible = offset < below
-                if cutlass.const_expr(not self.starts_at_zero):
+                if cutlass.const_expr(check_start):
                     visible = visible & (offset >= above)
                 scores_mn[r, c] = cutlass.Float32(
                     cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf)

@@ -85,6 +85,7 @@ class HopperAttentionForward(Sm90MainLoop):
         pingpong: bool = False,
         turnless_edges: bool = False,
         mask_runs: bool = False,
+        interior_first_tile: bool = False,
         pinned_pv_wait: bool = False,
         persistent: bool = True,
         tile_order: str = "head_major",
@@ -143,6 +144,11 @@ class HopperAttentionForward(Sm90MainLoop):
         self.mask_runs = mask_runs
         assert not mask_runs or (self.key_tiles.structural and mask_mod is None), \
             "mask runs need structural mask bounds and no block mask"
+        # a query tile's first key tile traced again without mask code, run where no bound cuts it
+        # (sm90_mainloop.first_past_starts): only where no right bound cuts it always
+        self.interior_first_tile = interior_first_tile
+        assert not interior_first_tile or (window_right is None and mask_mod is None), \
+            "an interior first key tile needs a kernel without a right bound or block mask"
         # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
         self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,

@@ -18,7 +18,11 @@ and with rotated key tiles, from an offset per query tile): the first tile alway
 the right bound, the interior and the tiles crossing the left bound (masking.py) are three loops
 traced with and without the mask code; otherwise a run-time flag per tile says whether it crosses
 a bound, is the ragged end of Sk (rotated) or, with a block mask, is partial. Either way interior
-and full tiles skip the mask code. The highest tiles of a query
+and full tiles skip the mask code. Where rows can start past key 0 (left windows, chunks,
+documents), the mask compares the rows' starts only in key tiles below split_lo (masking.py): the
+left run, and the first tile when it lies there, which is traced in both forms and chosen per
+query tile (on packed documents, 1.038x over comparing both bounds everywhere; choosing inside
+the mask instead, a branch within the tile, 1.026x). The highest tiles of a query
 tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
 Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
@@ -49,9 +53,9 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, turnless_edges, mask_runs, pinned_pv_wait, p_in_registers, skips_masked_tiles,
-    has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod, mask_mod,
-    key_tiles, softmax and key_block()."""
+    pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers,
+    skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod,
+    mask_mod, key_tiles, softmax and key_block()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
@@ -81,20 +85,26 @@ class Sm90MainLoop:
     def visible_tiles(self, loop, tile, start, k_state, v_state):
         """Visited key tiles start .. n_count-1 (start: 0, or the warpgroup's skipped count)."""
         first = self.key_block(tile, start, loop.args)
-        if cutlass.const_expr(self.overlap):
-            k_state = self.first_tile(loop, tile, first, k_state)
+        # the first tile in the form its bounds need, each form traced apart (no branch inside)
+        if cutlass.const_expr(self.key_tiles.starts_at_zero):
+            k_state = self.first_past_starts(loop, tile, first, k_state)
+        elif first < tile.split_lo:
+            k_state = self.first_tile_as(loop, tile, first, k_state, True, True)
         else:
-            k_state = self.serial_tile(loop, tile, first, k_state, True)
+            k_state = self.first_past_starts(loop, tile, first, k_state)
         if cutlass.const_expr(self.mask_runs):
             # key tiles go from the highest down: those crossing the right bound, the interior,
             # those crossing the left bound; each run is its own loop, traced with or without
             # the mask code, so no key tile branches on a flag
             right_end, left_start = self.mask_run_bounds(tile, start)
+            # (the tiles crossing the right bound lie at or past every row's start: masking.py)
             if cutlass.const_expr(self.has_right_mask):
-                k_state, v_state = self.key_tile_run(loop, tile, start + 1, right_end, k_state, v_state, True)
+                k_state, v_state = self.key_tile_run(loop, tile, start + 1, right_end, k_state, v_state, True,
+                                                     check_start=False)
             k_state, v_state = self.key_tile_run(loop, tile, right_end, left_start, k_state, v_state, False)
             if cutlass.const_expr(self.has_left_mask):
-                k_state, v_state = self.key_tile_run(loop, tile, left_start, tile.n_count, k_state, v_state, True)
+                k_state, v_state = self.key_tile_run(loop, tile, left_start, tile.n_count, k_state, v_state, True,
+                                                     check_start=True)
         else:
             k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
         if cutlass.const_expr(self.overlap):
@@ -102,6 +112,29 @@ class Sm90MainLoop:
         else:
             v_state = k_state.clone()
         return k_state, v_state
+
+    @cute.jit
+    def first_past_starts(self, loop, tile, n_block: Int32, k_state):
+        """The first key tile where it lies at or past every row's start: masked by the rows'
+        ends, or not at all where it lies below split_hi (an interior tile)."""
+        if cutlass.const_expr(self.interior_first_tile):
+            if n_block < tile.split_hi:
+                k_state = self.first_tile_as(loop, tile, n_block, k_state, False, False)
+            else:
+                k_state = self.first_tile_as(loop, tile, n_block, k_state, True, False)
+        else:
+            k_state = self.first_tile_as(loop, tile, n_block, k_state, True, False)
+        return k_state
+
+    @cute.jit
+    def first_tile_as(self, loop, tile, n_block: Int32, k_state, masked: bool, check_start: bool):
+        """A query tile's first key tile, ``masked`` or not (``check_start``: whether the mask
+        compares the rows' starts, see masking.bounds_of_rows)."""
+        if cutlass.const_expr(self.overlap):
+            k_state = self.first_tile(loop, tile, n_block, k_state, masked, check_start)
+        else:
+            k_state = self.serial_tile(loop, tile, n_block, k_state, masked, check_start)
+        return k_state
 
     @cute.jit
     def mask_run_bounds(self, tile, start: Int32):
@@ -113,18 +146,19 @@ class Sm90MainLoop:
         return right_end, left_start
 
     @cute.jit
-    def key_tile_run(self, loop, tile, begin: Int32, end: Int32, k_state, v_state, masked):
+    def key_tile_run(self, loop, tile, begin: Int32, end: Int32, k_state, v_state, masked, check_start=None):
         """Visited key tiles begin .. end-1 after the first; ``masked``: True or False for the whole
-        run, or None for a run-time flag per tile (see needs_mask)."""
+        run, or None for a run-time flag per tile (see needs_mask); ``check_start``: whether the
+        mask compares the rows' starts, for the whole run, or None: per tile (scores_to_probs)."""
         for i in cutlass.range(begin, end, unroll=1):
             n_block = self.key_block(tile, i, loop.args)
             flag = masked
             if cutlass.const_expr(masked is None):
                 flag = self.needs_mask(loop, tile, i, n_block)
             if cutlass.const_expr(self.overlap):
-                k_state, v_state = self.overlapped_tile(loop, tile, n_block, k_state, v_state, flag)
+                k_state, v_state = self.overlapped_tile(loop, tile, n_block, k_state, v_state, flag, check_start)
             else:
-                k_state = self.serial_tile(loop, tile, n_block, k_state, flag)
+                k_state = self.serial_tile(loop, tile, n_block, k_state, flag, check_start)
         return k_state, v_state
 
     @cute.jit
@@ -197,16 +231,20 @@ class Sm90MainLoop:
         warpgroup.commit_group()
 
     @cute.jit
-    def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked):
-        """Score modifier, mask (``masked``: a Python bool or a run-time flag), online-softmax
-        update; returns the per-row O correction."""
+    def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked, check_start=None):
+        """Score modifier, mask (``masked``: a Python bool or a run-time flag; ``check_start``:
+        whether it compares the rows' starts, None: where the tile lies below split_lo),
+        online-softmax update; returns the per-row O correction."""
         scores = rows_cols_view(acc_s)
         coords = rows_cols_view(loop.coords_s)
         col_base = n_block * self.tile_n
         if cutlass.const_expr(self.score_mod is not None):
             self.modify_scores(loop, tile, scores, coords, col_base)
+        below_start = check_start
+        if cutlass.const_expr(check_start is None):
+            below_start = n_block < tile.split_lo
         if masked:
-            self.key_tiles.apply(scores, coords, loop.row_start, loop.row_end, col_base)
+            self.key_tiles.apply(scores, coords, loop.row_start, loop.row_end, col_base, below_start)
             if cutlass.const_expr(self.mask_mod is not None):
                 self.mask_scores(loop, tile, scores, coords, col_base)
         return self.softmax.update(scores, loop.row_max, loop.row_sum)
@@ -248,14 +286,14 @@ class Sm90MainLoop:
 
     # ------------------------------------------------------------------ one key tile
     @cute.jit
-    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked):
+    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked, check_start=None):
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         loop.pipe_k.consumer_wait(k_state)
         warpgroup.fence()
         self.issue_qk(loop, acc_s, k_state.index)
         warpgroup.wait_group(0)
         loop.pipe_k.consumer_release(k_state)
-        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
+        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
         self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
         self.store_p(loop, acc_s)
         loop.pipe_v.consumer_wait(k_state)
@@ -267,7 +305,7 @@ class Sm90MainLoop:
         return k_state
 
     @cute.jit
-    def first_tile(self, loop, tile, n_block: Int32, k_state):
+    def first_tile(self, loop, tile, n_block: Int32, k_state, masked: bool, check_start: bool):
         """Overlapped schedule, prologue: S and P of the first tile; its P.V waits for the next."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         loop.pipe_k.consumer_wait(k_state)
@@ -277,13 +315,13 @@ class Sm90MainLoop:
         self.pass_turn(loop.warpgroup, edge=True)
         warpgroup.wait_group(0)
         loop.pipe_k.consumer_release(k_state)
-        self.scores_to_probs(loop, tile, acc_s, n_block, True)  # O is still zero: no correction
+        self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)  # O is still zero: no correction
         self.store_p(loop, acc_s)
         k_state.advance()
         return k_state
 
     @cute.jit
-    def overlapped_tile(self, loop, tile, n_block: Int32, k_state, v_state, masked):
+    def overlapped_tile(self, loop, tile, n_block: Int32, k_state, v_state, masked, check_start=None):
         """Issue S(n) = Q.K^T and O += P(n+1).V(n+1) together; the softmax of S(n) runs while
         the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
@@ -297,7 +335,7 @@ class Sm90MainLoop:
         warpgroup.wait_group(1)
         if cutlass.const_expr(not self.pinned_pv_wait):
             loop.pipe_k.consumer_release(k_state)
-        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked)
+        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
         if cutlass.const_expr(self.pinned_pv_wait):
             self.release_after(loop.pipe_k, k_state, loop.row_sum)
         warpgroup.wait_group(0)

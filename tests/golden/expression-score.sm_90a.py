@@ -37,6 +37,7 @@
 #     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
 #     turnless_edges             False      every MMA issue takes a ping-pong turn (turnless first and last MMAs of a query tile, a tuning candidate, measured 0.97-1.03x per cell, 0.995x over 14 cells on the H200)
 #     mask_runs                  True       key tiles crossing a mask bound and interior ones run in separate loops, traced with and without the mask code: no key tile branches on a mask flag (measured on the H200 against one loop with a flag per tile: 1.04x over 12 causal and window cells, 1.10x at d128 causal S=8192)
+#     interior_first_tile        False      a causal or right-window bound cuts every query tile's first key tile (or an expression's block mask decides): it always runs the mask
 #     pinned_pv_wait             False      the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over 22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
@@ -107,6 +108,7 @@ def make_kernel() -> HopperAttentionForward:
         pingpong=True,
         turnless_edges=False,
         mask_runs=True,
+        interior_first_tile=False,
         pinned_pv_wait=False,
         persistent=True,
         tile_order="paired",
