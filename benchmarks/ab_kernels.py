@@ -1,0 +1,159 @@
+"""Kernels of two source trees side by side on the GPU: the same plans built by a baseline commit
+and by the working tree, timed on the same inputs in alternating order, outputs compared.
+
+    git worktree add /tmp/base be7e649                                # any machine
+    PYTHONPATH=/tmp/base python benchmarks/ab_kernels.py build .devcache/ab-old [REGEX]
+    python benchmarks/ab_kernels.py build .devcache/ab-new [REGEX]
+    python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
+    python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS]   # new: the kernel cache
+
+``build`` compiles, with whichever fa4gen the interpreter imports, the kernels of some grid cells
+(each cell's plan as the planner picks it for its length) and of the variants with structural
+masks (benchmarks/variants.py), plus the dense causal kernel the documents compare with (only
+the labels REGEX matches, if given), and copies each entry under DIR by label (DIR/index.json).
+``run`` loads the old side by path (no cache lookup, so the tree on the GPU machine need not
+match it) and the new side likewise, or with ``current`` through fa4gen.compile (the working
+tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
+of each (order alternating), and prints new/old per label, the geometric mean, and packed
+documents against the dense causal kernel per useful FLOP.
+Session 9 (2026-12-01-u-* in benchmarks/results) measured its masking changes this way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import fa4gen
+from fa4gen import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants as V  # noqa: E402
+
+CELLS = [(dict(head_dim=64), (512, 1024, 4096)), (dict(head_dim=128), (512, 1024, 16384)),
+         (dict(head_dim=192, head_dim_v=128), (512, 16384)), (dict(head_dim=256), (512,)), (dict(head_dim=96), (1024,)),
+         (dict(head_dim=128, causal=True, window_left=1024), (4096,)), (dict(head_dim=128, causal=True), (1024,))]
+STRUCTURAL = ("documents", "sinks + window", "causal window", "Gemma 2", "chunked", "prefix-LM")
+DENSE = "dense causal at the document length"
+
+
+def _cell_plan(spec: fa4gen.AttentionSpec, seqlen: int) -> fa4gen.Plan:
+    from fa4gen.planner import seqlen_splits
+
+    split = next((s for s in seqlen_splits(spec) if s.covers(seqlen)), None)
+    return split.plan if split else fa4gen.plan(spec, "sm_90a")
+
+
+def _dense_spec() -> fa4gen.AttentionSpec:
+    return V._spec("packed-documents", mask=None)
+
+
+def _targets() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
+    out = []
+    for fields, seqlens in CELLS:
+        spec = fa4gen.AttentionSpec(**fields)
+        out += [(f"{spec.summary()} S={s}", spec, _cell_plan(spec, s)) for s in seqlens]
+    out += [(v.name, v.spec, fa4gen.plan(v.spec, "sm_90a")) for v in V.variants()
+            if any(word in v.name for word in STRUCTURAL)]
+    return out + [(DENSE, _dense_spec(), fa4gen.plan(_dense_spec(), "sm_90a"))]
+
+
+def build(directory: Path, pattern: str = "") -> None:
+    index = {}
+    for label, spec, plan in _targets():
+        if not re.search(pattern, label):
+            continue
+        entry = fa4gen.build(spec, "sm_90a", kernel_plan=plan).entry.path
+        target = directory / entry.name
+        if not target.exists():
+            shutil.copytree(entry, target)
+        index[label] = {"entry": entry.name, "spec": spec.model_dump(mode="json")}
+        print(f"{label:45} {entry.name[:12]}", flush=True)
+    (directory / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def _load(directory: Path | None, label: str):
+    """The kernel of ``label`` from a ``build`` directory, or (None) the kernel cache's."""
+    from fa4gen.runtime import AttentionKernel, load_function
+
+    if directory is None:
+        spec, plan = next((spec, plan) for name, spec, plan in _targets() if name == label)
+        return fa4gen.compile(spec, kernel_plan=plan)
+    item = json.loads((directory / "index.json").read_text())[label]
+    path = directory / item["entry"]
+    spec = fa4gen.AttentionSpec.model_validate(item["spec"])
+    # a baseline's plan may predate fields of today's Plan: the kernel only reads its tile sizes
+    plan = fa4gen.Plan.model_construct(**json.loads((path / "plan.json").read_text()))
+    return AttentionKernel(spec=spec, plan=plan, function=load_function(path, "cu13"), key=path.name, path=path)
+
+
+def _workload(label: str, spec: fa4gen.AttentionSpec):
+    """(input sets, run-time arguments, useful FLOPs) of a label: a grid cell or a variant."""
+    variant = next((v for v in V.variants() if v.name == label), None)
+    if variant is None:
+        seqlen = V.DOC_LEN if label == DENSE else int(label.rsplit("S=", 1)[1])
+        case = bench.make_case(spec, seqlen)
+        return bench.make_inputs(case), {}, case.flops()
+    q_heads = max(1, bench.HIDDEN // spec.head_dim)
+    inputs = V.make_inputs(variant, max(1, q_heads // spec.qhead_per_kvhead), q_heads)
+    args = variant.make_args(inputs)
+    packed, total = spec.is_varlen, variant.batch * variant.seqlen
+    flops = V.attention_flops(spec, 1 if packed else variant.batch, total if packed else variant.seqlen,
+                              total if packed else variant.seqlen, q_heads, args)
+    return inputs, args, flops
+
+
+def _rounds(functions: dict, workloads: dict, rounds: int) -> dict[str, list[float]]:
+    """TFLOP/s per round of each function, the order reversed every other round."""
+    times = {name: [] for name in functions}
+    for turn in range(rounds):
+        for name in list(functions)[:: 1 if turn % 2 == 0 else -1]:
+            inputs, args, flops = workloads[name]
+            fn = functions[name]
+            times[name].append(flops / bench.time_ms(lambda q, k, v, fn=fn: fn(q, k, v, **args), inputs) / 1e9)
+    return times
+
+
+def run(old_dir: Path, new_dir: Path | None, rounds: int) -> None:
+    labels = list(json.loads((old_dir / "index.json").read_text()))
+    gains, documents = [], None
+    for label in labels:
+        old, new = _load(old_dir, label), _load(new_dir, label)
+        workload = _workload(label, new.spec)
+        inputs, args, _ = workload
+        q, k, v = inputs[0]
+        differ = (old(q, k, v, **args).float() - new(q, k, v, **args).float()).abs().max().item()
+        t = _rounds({"old": old, "new": new}, {"old": workload, "new": workload}, rounds)
+        gain = sum(t["new"]) / sum(t["old"])
+        gains.append(gain)
+        print(f"{label:45} old {sum(t['old']) / rounds:6.1f} new {sum(t['new']) / rounds:6.1f} new/old {gain:.3f} "
+              f"max|new-old| {differ:.1e}", flush=True)
+        if new.spec.is_varlen:
+            documents = (label, new, workload)
+    print(f"geometric mean new/old over {len(gains)}: {math.exp(sum(map(math.log, gains)) / len(gains)):.3f}")
+    if documents and DENSE in labels:
+        label, kernel, workload = documents
+        dense = _load(new_dir, DENSE)
+        t = _rounds({"documents": kernel, "dense": dense},
+                    {"documents": workload, "dense": _workload(DENSE, dense.spec)}, rounds)
+        print(f"new documents {sum(t['documents']) / rounds:.1f} against dense causal {sum(t['dense']) / rounds:.1f} "
+              f"TFLOP/s: {sum(t['documents']) / sum(t['dense']):.3f} per useful FLOP", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) >= 2 and argv[0] == "build":
+        directory = Path(argv[1])
+        directory.mkdir(parents=True, exist_ok=True)
+        build(directory, argv[2] if len(argv) > 2 else "")
+    elif len(argv) >= 3 and argv[0] == "run":
+        run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
