@@ -5,7 +5,7 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     PYTHONPATH=/tmp/base python benchmarks/ab_kernels.py build .devcache/ab-old [REGEX]
     python benchmarks/ab_kernels.py build .devcache/ab-new [REGEX]
     python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
-    python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS]   # new: the kernel cache
+    python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS [REGEX]]   # new: the kernel cache
 
 ``build`` compiles, with whichever fa4gen the interpreter imports, the kernels of some grid cells
 (each cell's plan as the planner picks it for its length) and of the variants with structural
@@ -118,8 +118,8 @@ def _rounds(functions: dict, workloads: dict, rounds: int) -> dict[str, list[flo
     return times
 
 
-def run(old_dir: Path, new_dir: Path | None, rounds: int) -> None:
-    labels = list(json.loads((old_dir / "index.json").read_text()))
+def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> None:
+    labels = [name for name in json.loads((old_dir / "index.json").read_text()) if re.search(pattern, name)]
     gains, documents = [], None
     for label in labels:
         old, new = _load(old_dir, label), _load(new_dir, label)
@@ -135,7 +135,8 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int) -> None:
         if new.spec.is_varlen:
             documents = (label, new, workload)
     print(f"geometric mean new/old over {len(gains)}: {math.exp(sum(map(math.log, gains)) / len(gains)):.3f}")
-    if documents and DENSE in labels:
+    new_labels = [t[0] for t in _targets()] if new_dir is None else json.loads((new_dir / "index.json").read_text())
+    if documents and DENSE in new_labels:
         label, kernel, workload = documents
         dense = _load(new_dir, DENSE)
         t = _rounds({"documents": kernel, "dense": dense},
@@ -150,7 +151,8 @@ def main(argv: list[str]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         build(directory, argv[2] if len(argv) > 2 else "")
     elif len(argv) >= 3 and argv[0] == "run":
-        run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8)
+        run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8,
+            argv[4] if len(argv) > 4 else "")
     else:
         sys.exit(__doc__)
 
