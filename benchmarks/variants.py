@@ -216,16 +216,8 @@ def measure(variant: Variant) -> dict[str, Any]:
         except Exception as exc:
             impls[label] = None
             row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    for label, fn in impls.items():
-        if fn is None:
-            row.setdefault(label, None)
-            continue
-        try:
-            row[label] = flops / bench.time_ms(fn, inputs) / 1e9
-        except Exception as exc:
-            row[label] = None
-            row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    return row
+    # rounds of rotating order, as the grid: a fixed order favours the first (bench.time_balanced)
+    return bench.add_tflops(row, impls, inputs, flops)
 
 
 def document_order_candidate() -> fa4gen.Plan:
