@@ -87,8 +87,9 @@ def _rotation(bytes_per_set: int) -> int:
     return max(1, min(8, math.ceil(3 * l2 / max(bytes_per_set, 1))))
 
 
-def time_ms(fn: Callable[..., Any], input_sets: list[tuple], iters: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn(*inputs)``, cycling through ``input_sets``."""
+def launch_times_ms(fn: Callable[..., Any], input_sets: list[tuple], iters: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``iters`` launches of ``fn(*inputs)`` (CUDA events), cycling
+    through ``input_sets``, after ``warmup`` untimed ones."""
     import torch
 
     for i in range(warmup):
@@ -101,7 +102,12 @@ def time_ms(fn: Callable[..., Any], input_sets: list[tuple], iters: int = 30, wa
         fn(*args)
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_ms(fn: Callable[..., Any], input_sets: list[tuple], iters: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn(*inputs)``, cycling through ``input_sets``."""
+    return statistics.median(launch_times_ms(fn, input_sets, iters, warmup))
 
 
 def matmul_ceiling_tflops(n: int = 8192) -> float:
@@ -242,23 +248,13 @@ def time_balanced(functions: dict[str, Callable[..., Any]], input_sets: list[tup
     shared, power-capped GPU whatever runs first after a pause, or after a lighter kernel, runs
     at a higher clock, so a fixed order favours the first. A function that raises gets its
     exception instead of a time and leaves the later rounds."""
-    import torch
-
     samples: dict[str, list[float] | Exception] = {name: [] for name in functions}
     for order in rotations(list(functions), rounds):
         for name in order:
             if isinstance(samples[name], Exception):
                 continue
-            try:
-                functions[name](*input_sets[0])  # warm-up: first calls compile, allocate, tune
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-                for i in range(iters):
-                    starts[i].record()
-                    functions[name](*input_sets[i % len(input_sets)])
-                    ends[i].record()
-                torch.cuda.synchronize()
-                samples[name].extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+            try:  # one warm-up launch per round: first calls compile, allocate, tune
+                samples[name].extend(launch_times_ms(functions[name], input_sets, iters, warmup=1))
             except Exception as exc:  # a peer that cannot run is reported, not fatal
                 samples[name] = exc
     return {name: got if isinstance(got, Exception) else statistics.median(got) for name, got in samples.items()}
