@@ -15,7 +15,8 @@ the labels REGEX matches, if given), and copies each entry under DIR by label (D
 match it) and the new side likewise, or with ``current`` through fa4gen.compile (the working
 tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
 of each (order alternating), and prints new/old per label, the geometric mean, and packed
-documents against the dense causal kernel per useful FLOP.
+documents against the dense causal kernel per useful FLOP; each grid cell's new kernel is also
+checked against the fp32 reference (first batch entry and KV head).
 Session 9 (2026-12-01-u-* in benchmarks/results) measured its masking changes this way.
 """
 
@@ -34,9 +35,10 @@ from fa4gen import bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import variants as V  # noqa: E402
 
-CELLS = [(dict(head_dim=64), (512, 1024, 4096)), (dict(head_dim=128), (512, 1024, 16384)),
-         (dict(head_dim=192, head_dim_v=128), (512, 16384)), (dict(head_dim=256), (512,)), (dict(head_dim=96), (1024,)),
-         (dict(head_dim=128, causal=True, window_left=1024), (4096,)), (dict(head_dim=128, causal=True), (1024,))]
+CELLS = [(dict(head_dim=64), (512, 1024, 4096, 16384)), (dict(head_dim=128), (512, 1024, 16384)),
+         (dict(head_dim=192, head_dim_v=128), (512, 16384)), (dict(head_dim=256), (512,)), (dict(head_dim=96), (1024, 2048, 8192, 16384)),
+         (dict(head_dim=96, causal=True), (4096, 16384)),
+         (dict(head_dim=128, causal=True, window_left=1024), (4096,)), (dict(head_dim=128, causal=True), (1024, 16384))]
 STRUCTURAL = ("documents", "sinks + window", "causal window", "Gemma 2", "chunked", "prefix-LM")
 DENSE = "dense causal at the document length"
 
@@ -118,6 +120,17 @@ def _rounds(functions: dict, workloads: dict, rounds: int) -> dict[str, list[flo
     return times
 
 
+def _check(label: str, kernel, q, k, v) -> None:
+    """The new side's output on the first batch entry and KV head (its query heads) against the
+    fp32 reference, within the tests' bound (2x PyTorch's own bf16 error); raises where it misses."""
+    from fa4gen.testing import assert_close_to_reference
+
+    heads = kernel.spec.qhead_per_kvhead
+    q1, k1, v1 = q[:1, :, :heads].contiguous(), k[:1, :, :1].contiguous(), v[:1, :, :1].contiguous()
+    report = assert_close_to_reference(kernel.spec, q1, k1, v1, kernel(q1, k1, v1))
+    print(f"{label:45} new vs fp32 reference: error {report['out_err']:.1e} (bound {report['out_bound']:.1e})")
+
+
 def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> None:
     labels = [name for name in json.loads((old_dir / "index.json").read_text()) if re.search(pattern, name)]
     gains, documents = [], None
@@ -127,6 +140,8 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
         inputs, args, _ = workload
         q, k, v = inputs[0]
         differ = (old(q, k, v, **args).float() - new(q, k, v, **args).float()).abs().max().item()
+        if not args:  # grid cells: the new kernel against the fp32 reference, on the first KV head
+            _check(label, new, q, k, v)
         t = _rounds({"old": old, "new": new}, {"old": workload, "new": workload}, rounds)
         gain = sum(t["new"]) / sum(t["old"])
         gains.append(gain)

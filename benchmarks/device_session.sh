@@ -10,7 +10,9 @@
 #
 # PARTS, comma-separated: tests (the GPU tests, gpu.log, ~20 s), grid (the speed grid,
 # grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
-# (variants.json, ~60 s), schedule (schedule_options rows SEQLENS x LABELS, schedule.txt, ~0.3 s
+# (variants.json, ~60 s), profile (Nsight Compute counters of cells, fa4gen beside flash-attn-4:
+# PROFILE holds benchmarks/ncu_counters.py's arguments, cells separated by ';', profile.txt), schedule
+# (schedule_options rows SEQLENS x LABELS, schedule.txt, ~0.3 s
 # a row; rows rank options only past this machine's 20% first-timing spread: decide with
 # `schedule_options.py ab SEQLENS A,B` and again with B,A), ab (default against each of LABELS
 # in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match).
@@ -37,7 +39,7 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolcha
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,grid,variants,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
+    local parts=",${1:?PARTS: tests,grid,variants,profile,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
     set +u; source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1; set -u  # not written for nounset
     chmod -R go-w .devcache  # a cache others can write is refused
     export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
@@ -58,6 +60,15 @@ run() {
                 > "$OUT/ab-$label-2.txt" 2>&1
             python3 benchmarks/schedule_options.py combine "$OUT/ab-$label-1.txt" "$OUT/ab-$label-2.txt" | tail -n 3
         done
+    fi
+    if [[ $parts == *,profile,* ]]; then
+        local cells cell
+        IFS=';' read -ra cells <<< "${PROFILE:?PROFILE: ncu_counters.py arguments, cells separated by ;}"
+        for cell in "${cells[@]}"; do
+            # shellcheck disable=SC2086  # a cell is a list of arguments
+            python3 benchmarks/ncu_counters.py $cell >> "$OUT/profile.txt" 2>&1 || true
+        done
+        grep -E "^=====|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible" "$OUT/profile.txt" || true
     fi
     if [[ $parts == *,grid,* ]]; then
         python3 benchmarks/run.py run --grid full --part 1/2 --out "$OUT/grid-1.json" > "$OUT/grid-1.txt" 2>&1

@@ -64,10 +64,10 @@ def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
                                "16 more keys per tile")
             if sm90_fits(wider):
                 out.append(("groups-one-shot+n16", spec, wider))
-        if not base.separate_o_smem:  # smaller key tiles that leave room for O's own buffer: Q is then
+        if base.o_staging != "own":  # smaller key tiles that leave room for O's own buffer: Q is then
             for tile_n in (base.tile_n - 16, base.tile_n - 32):  # freed before the epilogue, not after
                 why = f"{tile_n}-key tiles with O in its own buffer"
-                freed = sm90_variant(base, why, tile_n=tile_n, separate_o_smem=True)
+                freed = sm90_variant(base, why, tile_n=tile_n, o_staging="own")
                 if sm90_fits(freed):
                     out.append((f"n{tile_n}-own-o", spec, freed))
         if not causal:  # the CTAs of a head read different K/V tiles at a time

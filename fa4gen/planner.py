@@ -50,7 +50,7 @@ class Plan(BaseModel):
     l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
     head_interleave: int  # head-major order: query tiles of this many heads interleaved (1: one head after another)
     rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
-    separate_o_smem: bool  # O staged in its own buffer (else over Q's rows, released later)
+    o_staging: Literal["own", "over_p", "over_q"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     smem_bytes: int
@@ -109,7 +109,9 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True)),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
-            "take 112 of 160 registers, so P goes through shared memory", p_in_registers=False,
+            "take 112 of 160 registers, so P goes through shared memory (144-key tiles, flash-attn-4's, with O "
+            "staged over P: 1.01-1.03x at S >= 4096 but 0.96-0.97x at S=2048, whose last key tile is 78% "
+            "padding; a tuning candidate)", p_in_registers=False,
             short=ShortRow(1024, SM90_D96_SHORT)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
@@ -162,13 +164,22 @@ def _round_up(value: int, granule: int) -> int:
     return (value + granule - 1) // granule * granule
 
 
+# Where the epilogue stages O for its TMA store, by preference: its own buffer (Q is released
+# after the main loop, so the next tile's Q loads during this epilogue); over the warpgroup's P
+# tile when P goes through shared memory (free once the last P.V has read it; the next tile's
+# first P waits for the store to have read it); over the warpgroup's own Q rows (Q is released
+# only after the store has read them, so the next tile's Q loads after this epilogue).
+O_STAGING = ("own", "over_p", "over_q")
+
+
 def sm90_smem_bytes(
-    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, separate_o: bool, q_stages: int = 1,
+    tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, elem_bytes: int, o_staging: str, q_stages: int = 1,
     p_smem: bool = False,
 ) -> int:
-    """Q tile(s) + K/V ring + (when separate) the O staging buffer + (when not in registers) P."""
+    """Q tile(s) + K/V ring + (when in its own buffer) the O staging buffer + (when not in
+    registers) P."""
     q = q_stages * tile_m * dqk
-    o = tile_m * dv if separate_o else 0
+    o = tile_m * dv if o_staging == "own" else 0
     kv = stages * tile_n * (dqk + dv)
     p = tile_m * tile_n if p_smem else 0
     return (q + o + kv + p) * elem_bytes + SMEM_RESERVE_BYTES
@@ -239,23 +250,37 @@ def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
     return "head_major", "equal work per query tile: the CTAs running together share one head's K/V in L2"
 
 
+def o_staging_fits(o_staging: str, tile_n: int, dqk: int, dv: int, q_stages: int, p_smem: bool) -> bool:
+    """Whether O's (64 x dv) staging tile can sit where ``o_staging`` puts it."""
+    if o_staging == "over_p":
+        return p_smem and dv <= tile_n
+    if o_staging == "over_q":
+        return dv <= dqk and q_stages == 1
+    return True
+
+
 def _sm90_fit_smem(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, p_regs: bool):
-    """Shrink the K/V ring (then the key tile) until Q, K/V and (if not in registers) P fit; then
-    give O its own buffer and Q a second one where they fit. Returns (tile_n, stages,
-    separate_o, q_stages, shrunk)."""
+    """Shrink the K/V ring (then the key tile) until Q, K/V, (if not in registers) P and O
+    (staged where it can go without a buffer) fit; then stage O in the first place of O_STAGING
+    that fits and give Q a second buffer where it fits. Returns (tile_n, stages, o_staging,
+    q_stages, shrunk)."""
     limit = Arch.SM90A.caps.smem_bytes_per_cta
     p_smem = not p_regs
-    must_separate = dv > dqk  # O cannot be staged over Q's rows, so it always gets its own buffer
+
+    def fits(o_staging: str, n: int, k: int, q_stages: int = 1) -> bool:
+        return (o_staging_fits(o_staging, n, dqk, dv, q_stages, p_smem)
+                and sm90_smem_bytes(tile_m, n, k, dqk, dv, 2, o_staging, q_stages, p_smem) <= limit)
+
     shrunk = False
-    while sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, must_separate, 1, p_smem) > limit:
+    while not any(fits(o, tile_n, stages) for o in O_STAGING):
         if stages > 2:
             stages -= 1
         else:
             tile_n -= MMA_K_GRANULE
         shrunk = True
-    separate_o = must_separate or sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, True, 1, p_smem) <= limit
-    two_q = separate_o and sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, True, 2, p_smem) <= limit
-    return tile_n, stages, separate_o, 2 if two_q else 1, shrunk
+    o_staging = next(o for o in O_STAGING if fits(o, tile_n, stages))
+    two_q = fits(o_staging, tile_n, stages, 2)
+    return tile_n, stages, o_staging, 2 if two_q else 1, shrunk
 
 
 def _sm90_row(spec: AttentionSpec) -> TileRow:
@@ -276,7 +301,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     tile_m = WARPGROUP_MMA_M * warpgroups
-    tile_n, stages, separate_o, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
+    tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     fields = dict(
@@ -288,9 +313,9 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         turnless_edges=False, mask_runs=_mask_runs_apply(spec),
         interior_first_tile=_interior_first_tile_applies(spec) and max(dqk, dv) <= INTERIOR_FIRST_TILE_MAX_D,
         pinned_pv_wait=False, persistent=True,
-        tile_order=tile_order, l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, separate_o_smem=separate_o,
+        tile_order=tile_order, l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
-        smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, separate_o, q_stages, not p_regs),
+        smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
@@ -397,12 +422,18 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "rotated order, a tuning candidate, measured 0.87-1.02x on the H200)",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
-        "separate_o_smem": "O has its own staging buffer: Q is freed after the main loop, so the "
-        "next tile's Q loads during this tile's epilogue" if f["separate_o_smem"] else
-        "no room for an O buffer: O is staged over each warpgroup's own Q rows",
+        "o_staging": {
+            "own": "O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads "
+                   "during this tile's epilogue",
+            "over_p": "no room for an O buffer: O is staged over the warpgroup's P tile, free once the last P.V "
+                      "has read it (Q is still freed after the main loop; the next tile's first P waits for the "
+                      "store to have read the tile)",
+            "over_q": "no room for an O buffer: O is staged over each warpgroup's own Q rows (the next tile's Q "
+                      "loads after this tile's epilogue)"}[f["o_staging"]],
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
-        "most tiles skip the multiply of the O accumulator (FlashAttention-4)",
-        "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['separate_o_smem'] else ''}"
+        "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
+        "flash-attn-4's Hopper path does, a tuning candidate, measured 0.96-1.02x on the H200, 1.05x at d96)",
+        "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['o_staging'] == 'own' else ''}"
         f"{'' if f['p_in_registers'] else '+ P '}+ {f['kv_stages']} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
     }
@@ -477,7 +508,7 @@ REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state
 def plan_smem_bytes(p: Plan) -> int:
     """The shared memory a plan's buffers take."""
     return sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
-                           p.separate_o_smem, p.q_stages, not p.p_in_registers)
+                           p.o_staging, p.q_stages, not p.p_in_registers)
 
 
 def plan_problem(p: Plan) -> str:
@@ -498,9 +529,10 @@ def sm90_fits(p: Plan) -> bool:
     """Shared memory, the register split and a register estimate (S fp32 + P 16-bit + O fp32 per
     thread) fit."""
     fragments = p.tile_n // 2 + (p.tile_n // 4 if p.p_in_registers else 0) + p.head_dim_v_padded // 2
-    o_over_q_ok = p.separate_o_smem or (p.head_dim_v_padded <= p.head_dim_padded and p.q_stages == 1)
+    o_ok = o_staging_fits(p.o_staging, p.tile_n, p.head_dim_padded, p.head_dim_v_padded, p.q_stages,
+                          not p.p_in_registers)
     return (not plan_problem(p) and fragments + REGISTER_HEADROOM <= p.consumer_regs
-            and o_over_q_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
+            and o_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
 
 
 def sm90_variant(base: Plan, why: str, **update) -> Plan:
@@ -561,10 +593,11 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
 
 
 def sm90_refit(p: Plan, why: str) -> Plan:
-    """A candidate whose buffers overflow shared memory gives up the second Q buffer, then
-    stages O over Q (as the planner's own fit does; e.g. FlashAttention's 192x144 d96 tiles fit
-    only so)."""
-    for update in ({}, {"q_stages": 1}, {"q_stages": 1, "separate_o_smem": False}):
+    """A candidate whose buffers overflow shared memory (or whose O staging no longer fits it,
+    e.g. over P once P stays in registers) gives up the second Q buffer, then stages O in the
+    first place of O_STAGING that fits, as the planner's own fit does."""
+    updates = [{}, {"q_stages": 1}] + [{"q_stages": 1, "o_staging": o} for o in O_STAGING]
+    for update in updates:
         refit = sm90_variant(p, f"{why}, to fit shared memory", **update) if update else p
         if sm90_fits(refit):
             return refit

@@ -114,7 +114,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
+    from fa4gen.planner import O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
 
     cases = {}
     for name, spec in {
@@ -140,7 +140,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             # the last group narrower where the heads do not divide)
             "head-groups": {"tile_order": "heavy_first",
                             "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
-            "o-staging": {"separate_o_smem": not base.separate_o_smem, "q_stages": 1},
+            **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
+            # O over P waits for the last store in the first key tile, traced apart per schedule
+            "serial-o-over-p": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
+                                "o_staging": "over_p", "q_stages": 1} if not base.p_in_registers else None,
             "q-stages": {"q_stages": 3 - base.q_stages},
             "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,

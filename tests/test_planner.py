@@ -42,11 +42,11 @@ def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
     assert p.head_dim_padded - spec.head_dim < MMA_K_GRANULE  # padded to the next granule only
     assert p.head_dim_v_padded - spec.dv < MMA_K_GRANULE
     expected_smem = sm90_smem_bytes(
-        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.separate_o_smem, p.q_stages,
+        p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, p.o_staging, p.q_stages,
         not p.p_in_registers,
     )
     assert p.smem_bytes == expected_smem
-    assert p.q_stages in (1, 2) and (p.separate_o_smem or p.q_stages == 1)
+    assert p.q_stages in (1, 2) and (p.o_staging != "over_q" or p.q_stages == 1)
     assert p.smem_bytes <= SMEM_LIMIT
     threads_per_warpgroup = 128
     total_regs = threads_per_warpgroup * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs)
@@ -75,15 +75,18 @@ def test_plan_table(head_dim, head_dim_v):
     assert p.tile_n % 16 == 0 and p.tile_n <= 256
     assert p.kv_stages >= 2
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
-    # O gets its own buffer whenever it fits, and always when it cannot sit over Q (dv > d)
+    # O gets its own buffer whenever it fits, else P's tile where P is in shared memory and dv
+    # fits in it, else Q's rows (only where dv <= d)
     p_smem = not p.p_in_registers
-    with_o = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 1,
-                             p_smem)
-    assert p.separate_o_smem == (with_o <= SMEM_LIMIT or p.head_dim_v_padded > p.head_dim_padded)
-    # a second Q buffer whenever it fits beside a separate O
-    two_q = sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2, True, 2,
-                            p_smem)
-    assert (p.q_stages == 2) == (p.separate_o_smem and two_q <= SMEM_LIMIT)
+    dims = (p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
+    own_fits = sm90_smem_bytes(*dims, "own", 1, p_smem) <= SMEM_LIMIT
+    over_p_fits = p_smem and p.head_dim_v_padded <= p.tile_n
+    expected = "own" if own_fits else "over_p" if over_p_fits else "over_q"
+    assert p.o_staging == expected
+    assert p.o_staging != "over_q" or p.head_dim_v_padded <= p.head_dim_padded
+    # a second Q buffer whenever it fits beside O's staging, which must not be Q's rows
+    two_q = sm90_smem_bytes(*dims, p.o_staging, 2, p_smem)
+    assert (p.q_stages == 2) == (p.o_staging != "over_q" and two_q <= SMEM_LIMIT)
     for name in PLAN_FIELDS:
         assert p.reasons.get(name, "").strip(), f"plan field {name!r} has no reason"
     assert set(p.reasons) <= set(PLAN_FIELDS), "reasons for fields the plan does not have"

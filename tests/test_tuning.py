@@ -28,7 +28,7 @@ def test_candidates_start_with_the_default_and_all_fit(spec):
     assert len({p.canonical_json() for p in plans}) == len(plans)
     for p in plans:
         assert p.smem_bytes == plan_smem_bytes(p)
-        assert p.separate_o_smem or p.q_stages == 1
+        assert p.o_staging != "over_q" or p.q_stages == 1
         assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
         assert p.tile_m == 64 * p.num_consumer_warpgroups and p.tile_n % 16 == 0
         assert 128 * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs) <= sm90_register_pool(

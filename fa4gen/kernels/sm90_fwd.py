@@ -89,7 +89,7 @@ class HopperAttentionForward(Sm90MainLoop):
         pinned_pv_wait: bool = False,
         persistent: bool = True,
         tile_order: str = "head_major",
-        separate_o_smem: bool = True,
+        o_staging: str = "own",
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
         q_stages: int = 1,
@@ -156,11 +156,14 @@ class HopperAttentionForward(Sm90MainLoop):
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
-        # O is staged in its own buffer (Q is released right after the main loop, so the next
-        # tile's Q loads during this tile's epilogue) or over each warpgroup's own Q rows
-        self.o_over_q = not separate_o_smem
-        assert separate_o_smem or head_dim_v_padded <= head_dim_padded, "O staged over Q needs dv <= d"
-        assert separate_o_smem or q_stages == 1, "O staged over Q needs a single Q buffer"
+        # O is staged in its own buffer, over the warpgroup's P tile or over its own Q rows
+        # (fa4gen.planner.O_STAGING says what each costs)
+        assert o_staging in ("own", "over_p", "over_q"), o_staging
+        self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
+        assert not self.o_over_q or head_dim_v_padded <= head_dim_padded, "O staged over Q needs dv <= d"
+        assert not self.o_over_q or q_stages == 1, "O staged over Q needs a single Q buffer"
+        assert not self.o_over_p or (not p_in_registers and head_dim_v_padded <= tile_n), \
+            "O staged over P needs P in shared memory and dv <= tile_n"
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -207,10 +210,11 @@ class HopperAttentionForward(Sm90MainLoop):
             cpasync.CopyBulkTensorTileS2GOp(), o, cute.slice_(sO_layout, stage), (64, self.dv)
         )
         self.q_stage_elems = cute.cosize(cute.slice_(sQ_layout, stage))
+        self.p_stage_elems = cute.cosize(cute.slice_(sP_layout, stage))
         self.q_bytes = W * cute.size_in_bytes(dtype, cute.slice_(sQ_layout, stage))
         self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
         self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
-        o_elems = 0 if self.o_over_q else cute.cosize(sO_layout)
+        o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
         p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
 
         @cute.struct
@@ -317,19 +321,22 @@ class HopperAttentionForward(Sm90MainLoop):
 
     @cute.jit
     def warpgroup_buffers(self, storage, sQ, sO_layout, sP_layout, wg: Int32):
-        """This consumer warpgroup's O staging tile (its own, or over its Q rows) and P tile
-        (None when P stays in registers)."""
+        """This consumer warpgroup's O staging tile (its own, or over its P tile or Q rows) and
+        P tile (None when P stays in registers)."""
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
+        sP = None
+        if cutlass.const_expr(not self.p_in_registers):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
         # the offsets are whole swizzle atoms (stmatrix needs its 16-byte alignment kept)
         if cutlass.const_expr(self.o_over_q):
             offset = cute.assume(wg * self.q_stage_elems, divby=SMEM_ALIGN // 2)
             o_ptr = cute.recast_ptr(sQ.iterator + offset, sO_stage.inner, self.dtype)
+        elif cutlass.const_expr(self.o_over_p):
+            offset = cute.assume(wg * self.p_stage_elems, divby=SMEM_ALIGN // 2)
+            o_ptr = cute.recast_ptr(storage.sP.data_ptr() + offset, sO_stage.inner, self.dtype)
         else:
             offset = cute.assume(wg * cute.cosize(sO_stage), divby=SMEM_ALIGN // 2)
             o_ptr = cute.recast_ptr(storage.sO.data_ptr() + offset, sO_stage.inner, self.dtype)
-        sP = None
-        if cutlass.const_expr(not self.p_in_registers):
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
         return cute.make_tensor(o_ptr, sO_stage.outer), sP
 
     @cute.jit
@@ -567,9 +574,20 @@ class HopperAttentionForward(Sm90MainLoop):
         cute.copy(stmatrix, thr_store.retile(o_low), thr_store.partition_D(sO))
 
     @cute.jit
+    def await_o_store(self, wg: Int32):
+        """O staged over P: the previous tile's O store must have read this warpgroup's P tile
+        before the first P of the next tile overwrites it (the main loop calls this once per
+        query tile, while its first Q.K^T runs; the store is long done as a rule)."""
+        if cutlass.const_expr(self.o_over_p):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
-        """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's Q
-        rows; stmatrix), TMA-store it (clipped to Sq rows and Dv columns) and write the LSE."""
+        """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's P
+        tile or Q rows; stmatrix), TMA-store it (clipped to Sq rows and Dv columns) and write
+        the LSE."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         sink = None
         if cutlass.const_expr(self.sinks):
@@ -578,8 +596,9 @@ class HopperAttentionForward(Sm90MainLoop):
         barrier = EPILOGUE_BARRIER_BASE + wg
         storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
         if cutlass.const_expr(not self.o_over_q):
-            # O has its own buffer: the previous tile's store was left running; it must have
-            # read the buffer before this tile overwrites it (long done by now, as a rule)
+            # O has its own buffer (or P's, which every warp's last P.V has read once all pass
+            # the barrier): the previous tile's store was left running; it must have read the
+            # buffer before this tile overwrites it (long done by now, as a rule)
             if storing:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)

@@ -11,10 +11,10 @@
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     192        3 consumer warpgroups x 64 rows each
-#     tile_n                     128        d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory
-#     kv_stages                  2          d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory
+#     tile_n                     128        d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory (144-key tiles, flash-attn-4's, with O staged over P: 1.01-1.03x at S >= 4096 but 0.96-0.97x at S=2048, whose last key tile is 78% padding; a tuning candidate)
+#     kv_stages                  2          d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory (144-key tiles, flash-attn-4's, with O staged over P: 1.01-1.03x at S >= 4096 but 0.96-0.97x at S=2048, whose last key tile is 78% padding; a tuning candidate)
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
-#     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory
+#     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O take 112 of 160 registers, so P goes through shared memory (144-key tiles, flash-attn-4's, with O staged over P: 1.01-1.03x at S >= 4096 but 0.96-0.97x at S=2048, whose last key tile is 78% padding; a tuning candidate)
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers (the CTA's pool at launch)
 #     head_dim_padded            96         wgmma K granule is 16; TMA zero-fills the padding
@@ -32,9 +32,9 @@
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
 #     head_interleave            1          not the head-major order: nothing to interleave
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
-#     separate_o_smem            True       O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
+#     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 96: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
-#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4)
+#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, a tuning candidate, measured 0.96-1.02x on the H200, 1.05x at d96)
 #     smem_bytes                 222208     1 x Q + O + P + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
@@ -90,7 +90,7 @@ def make_kernel() -> HopperAttentionForward:
         l2_group_bytes=0,
         head_interleave=1,
         rotate_key_tiles=False,
-        separate_o_smem=True,
+        o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=8.0,
     )
