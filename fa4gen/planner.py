@@ -47,6 +47,7 @@ class Plan(BaseModel):
     pinned_pv_wait: bool  # overlapped tiles: the P.V wait held behind the softmax (K released after it)
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
     tile_order: Literal["head_major", "heavy_first", "paired"]  # see fa4gen.kernels.scheduler
+    pair_tail_rounds: int  # paired, persistent: the last rounds of pairs go as single tiles, heaviest first
     l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
     head_interleave: int  # head-major order: query tiles of this many heads interleaved (1: one head after another)
     rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
@@ -126,6 +127,10 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
 # 0-6% at 1 in 8, softcap 3-5% at 1 in 2 (the softmax's FMA/ALU work, not MUFU, is the limit
 # here). The table keeps every exp2 on MUFU; `fa4gen tune` still tries 1 in 2..8.
 EXP2_POLY_PERIOD_SOFTCAP = 0
+# Causal pairs come in whole rounds of one per CTA, so P pairs on G CTAs take ceil(P / G)
+# pair-times; the last PAIR_TAIL_ROUNDS rounds of them go as single tiles, heaviest first
+# (fa4gen.kernels.scheduler; 2 rounds of singles leave room to even out the heaviest ones)
+PAIR_TAIL_ROUNDS = 2
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
@@ -313,7 +318,8 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         turnless_edges=False, mask_runs=_mask_runs_apply(spec),
         interior_first_tile=_interior_first_tile_applies(spec) and max(dqk, dv) <= INTERIOR_FIRST_TILE_MAX_D,
         pinned_pv_wait=False, persistent=True,
-        tile_order=tile_order, l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
+        tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
+        l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
@@ -416,6 +422,14 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "head's (2 heads interleaved, a tuning candidate, measured 0.95-1.04x per cell, 0.998x over 15 non-causal "
         "cells at S=2048-16384 on the H200)" if f["tile_order"] == "head_major"
         else "not the head-major order: nothing to interleave",
+        "pair_tail_rounds": f"causal pairs come in whole rounds, one per CTA, so the last one is ragged (d64 "
+        f"causal S=16384 on 132 SMs: 10.4 rounds in 11); the pairs of the last {f['pair_tail_rounds']} rounds and "
+        "the middle tiles run as single tiles heaviest first, which evens the CTAs out to within a few key tiles "
+        "(simulated on the grid's causal cells: 0.99 of an even split, 0.93-0.98 in whole rounds; measured with "
+        "P's pinned conversions against neither on the H200: d64 causal S=8192 1.04x, S=16384 1.02-1.03x, where "
+        "non-causal d64, without a tail, moved 0.99-1.01x)"
+        if f["pair_tail_rounds"] else "whole rounds of causal pairs to the end" if f["tile_order"] == "paired"
+        else "not the paired order: no pairs",
         "rotate_key_tiles": "query tile m visits its key tiles from m below the top and around, so the CTAs "
         "of one head read different K/V tiles at a time" if f["rotate_key_tiles"] else "key tiles from the "
         "highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the "
@@ -432,7 +446,8 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
                       "loads after this tile's epilogue)"}[f["o_staging"]],
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
-        "flash-attn-4's Hopper path does, a tuning candidate, measured 0.96-1.02x on the H200, 1.05x at d96)",
+        "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
+        "conversions were pinned above the skip's branch)",
         "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['o_staging'] == 'own' else ''}"
         f"{'' if f['p_in_registers'] else '+ P '}+ {f['kv_stages']} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
@@ -561,15 +576,17 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         if _interior_first_tile_applies(spec) else None,
         ("P.V wait pin flipped", {"pinned_pv_wait": not base.pinned_pv_wait}) if base.intra_warpgroup_overlap else None,
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False}),
-        ("persistence flipped", {"persistent": not base.persistent}),
+        ("persistence flipped", {"persistent": not base.persistent, "pair_tail_rounds": 0}),
+        ("causal pairs in whole rounds to the end", {"pair_tail_rounds": 0}) if base.pair_tail_rounds else None,
         (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
-        ("causal tiles heaviest first", {"tile_order": "heavy_first"}) if base.tile_order == "paired" else None,
-        ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first",
+        ("causal tiles heaviest first", {"tile_order": "heavy_first", "pair_tail_rounds": 0})
+        if base.tile_order == "paired" else None,
+        ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first", "pair_tail_rounds": 0,
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
         ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
         ("query tiles of 2 heads interleaved", {"head_interleave": 2}) if base.tile_order == "head_major" else None,
-        ("documents' query tiles in ranked pairs", {"tile_order": "paired"})
+        ("documents' query tiles in ranked pairs", {"tile_order": "paired", "pair_tail_rounds": PAIR_TAIL_ROUNDS})
         if spec.is_varlen and base.tile_order == "heavy_first" else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:

@@ -134,11 +134,14 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
             if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
-            "persistent": {"persistent": not base.persistent},
-            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired"},
+            "persistent": {"persistent": not base.persistent, "pair_tail_rounds": 0},
+            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired",
+                           "pair_tail_rounds": 0},
+            "pair-tail": {"pair_tail_rounds": 0 if base.pair_tail_rounds else 2} if base.tile_order == "paired"
+            else None,
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;
             # the last group narrower where the heads do not divide)
-            "head-groups": {"tile_order": "heavy_first",
+            "head-groups": {"tile_order": "heavy_first", "pair_tail_rounds": 0,
                             "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
             **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
             # O over P waits for the last store in the first key tile, traced apart per schedule

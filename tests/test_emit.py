@@ -231,6 +231,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "pinned_pv_wait": kernel_plan.pinned_pv_wait,
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,
+        "pair_tail_rounds": kernel_plan.pair_tail_rounds,
         "l2_group_bytes": kernel_plan.l2_group_bytes,
         "head_interleave": kernel_plan.head_interleave,
         "rotate_key_tiles": kernel_plan.rotate_key_tiles,

@@ -188,6 +188,25 @@ def test_plan_option_paths(name, shape):
     assert_close_to_reference(spec, q, k, v, out, lse)
 
 
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+@pytest.mark.parametrize("spec, seqlen", [
+    (fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True), 1000),  # 8 query tiles
+    (fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True), 1100),  # 9: a middle
+    (fa4gen.AttentionSpec(head_dim=64, causal=True, return_lse=True), 1300),  # 192-row tiles, 7: a middle
+], ids=["d128-even", "d128-odd", "d64-odd"])
+def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, spec, seqlen):
+    """A persistent launch on fewer CTAs than SMs (the SM count is a run-time argument), so the
+    causal schedule runs whole rounds of pairs and then its heaviest-first tail of single tiles."""
+    import torch
+
+    attn = fa4gen.compile(spec)
+    assert attn.plan.tile_order == "paired" and attn.plan.pair_tail_rounds > 0
+    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
+    q, k, v = _inputs(spec, 2, seqlen, seqlen, seed=5)
+    out, lse = _run_poisoned(spec, attn, q, k, v, {})
+    assert_close_to_reference(spec, q, k, v, out, lse)
+
+
 def test_block_mask_is_cached_reusable_and_follows_aux_values():
     """An expression mask's block mask is built once per shape and aux values, can be built
     explicitly and shared, and new scalar values give new masks without recompiling."""

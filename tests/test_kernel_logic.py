@@ -37,7 +37,7 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
     """(cta, item, m_block, head, batch, tile, rank) of every valid item of every CTA, in issue
     order (``order``: the ranking of a ranked scheduler, the kernel's first column of it)."""
     units = num_m_blocks * heads * batches
-    rows = grid * (2 * (units // grid + 1))
+    rows = grid * (2 * (units // grid + 1) + 8 + 2 * heads * batches // grid)  # room for a tail's items
     out = torch.full((rows, 7), -1, dtype=torch.int32)
     order = torch.arange(max(num_m_blocks, 1), dtype=torch.int32) if order is None else order
     order = order.view(-1, 1).contiguous()
@@ -51,10 +51,10 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
         items = scheduler.items_per_cta(num_m_blocks, heads_batches, grid, pairs)
         for cta in cutlass.range(grid, unroll=1):
             for item in cutlass.range(items, unroll=1):
-                tile = scheduler.tile_of(item, cta, grid, pairs)
-                if scheduler.valid(tile, num_m_blocks, heads_batches, pairs):
-                    m_block, head, batch, rank = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, pairs,
-                                                                  group, order)
+                tile = scheduler.tile_of(item, cta, num_m_blocks, heads_batches, grid, pairs)
+                if scheduler.valid(tile, num_m_blocks, heads_batches, grid, pairs):
+                    m_block, head, batch, rank = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, grid,
+                                                                  pairs, group, order)
                     row = cta * items + item
                     out[row, 0] = cta
                     out[row, 1] = item
@@ -97,6 +97,46 @@ def test_every_order_hands_out_every_tile_once(order, size, grid):
         for cta in walked[:, 0].unique().tolist():
             mine = walked[walked[:, 0] == cta][:, 2].tolist()
             assert mine == sorted(mine, reverse=True)
+
+
+@pytest.mark.parametrize("tail_rounds", [1, 2])
+@pytest.mark.parametrize("size", SIZES + [(86, 5, 1), (43, 7, 2)], ids=lambda s: "m{}-h{}-b{}".format(*s))
+@pytest.mark.parametrize("grid", [1, 5, 7, 132])
+def test_paired_tail_hands_out_every_tile_once_heaviest_first(tail_rounds, size, grid):
+    """Pairs in whole rounds, then the rest as single tiles: every tile once; each CTA's pairs
+    join M-1-j and j of one head; after them its tiles never get heavier."""
+    m, h, b = size
+    walked = _walk(TileScheduler("paired", tail_rounds=tail_rounds), m, h, b, grid, seqlen_k=1000)
+    _assert_every_tile_once(walked, m, h, b)
+    front = max((m // 2) * h * b // grid - tail_rounds, 0)
+    for cta in walked[:, 0].unique().tolist():
+        mine = walked[walked[:, 0] == cta]
+        pairs, tail = mine[mine[:, 1] < 2 * front], mine[mine[:, 1] >= 2 * front]
+        assert len(pairs) == 2 * front  # whole rounds: every CTA runs as many pairs
+        for first, second in zip(pairs[0::2].tolist(), pairs[1::2].tolist()):
+            assert first[2] + second[2] == m - 1 and first[3:5] == second[3:5]
+        assert tail[:, 2].tolist() == sorted(tail[:, 2].tolist(), reverse=True)  # query tile m: m + 1 key tiles
+
+
+@pytest.mark.parametrize("size, grid", [((86, 32, 1), 132), ((43, 32, 2), 132), ((128, 16, 1), 132),
+                                        ((43, 21, 2), 132), ((64, 10, 2), 132)],
+                         ids=["d64-16k", "d64-8k", "d128-16k", "d96-8k", "d192-8k"])
+def test_paired_tail_balances_the_last_round(size, grid):
+    """The grid's causal cells on 132 SMs: work per CTA (query tile m costs m + 1 key tiles)
+    within 2% of an even split with the tail, and below whole rounds of pairs (2.3-5.5% over it)."""
+    m, h, b = size
+    ideal = m * (m + 1) / 2 * h * b / grid
+
+    def slowest(scheduler):
+        walked = _walk(scheduler, m, h, b, grid, seqlen_k=1000)
+        _assert_every_tile_once(walked, m, h, b)
+        work = torch.zeros(grid)
+        work.index_add_(0, walked[:, 0].long(), (walked[:, 2] + 1).float())
+        return work.max().item()
+
+    with_tail = slowest(TileScheduler("paired", tail_rounds=2))
+    assert with_tail <= 1.02 * ideal
+    assert with_tail < slowest(TileScheduler("paired"))  # 1.023-1.055x the even split: what the tail mends
 
 
 @pytest.mark.parametrize("interleave", [2, 3])
@@ -209,12 +249,13 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                          num_m_blocks=cute.ceil_div(seqlen_q, kernel.tile_m),
                          args=VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count]))
         sizes.heads_batches = num_batches
+        sizes.grid = 1
         sizes.pairs = kernel.scheduler.pairs_now(seqlen_k)
         sizes.group = kernel.scheduler.head_group(seqlen_k, sizes.heads_batches, row_bytes)
         items = kernel.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
         for item in cutlass.range(items, unroll=1):
-            tile = kernel.scheduler.tile_of(item, 0, 1, sizes.pairs)
-            if kernel.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
+            tile = kernel.scheduler.tile_of(item, 0, sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
+            if kernel.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs):
                 t = kernel.tile_info(tile, sizes)
                 row = t.batch * sizes.num_m_blocks + t.m_block
                 bounds[row, 0] = t.n_min

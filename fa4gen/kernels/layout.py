@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+PTX_PAIR_TYPES = {BFloat16: "bf16x2", Float16: "f16x2"}
 
 
 def acc_rows_cols(layout: cute.Layout) -> cute.Layout:
@@ -37,11 +42,43 @@ def convert_into(src: cute.Tensor, dst: cute.Tensor):
         dst[i] = src[i].to(dst.element_type)
 
 
+@dsl_user_op
+def pack_pair_pinned(low, high, pair_type: str, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded into one 32-bit word of two 16-bit values (``low`` in bits 0-15),
+    by one ``cvt.rn.{pair_type}.f32`` that LLVM keeps where it is traced (a volatile asm).
+
+    Why pinned: the probabilities' conversions are used only after the O-rescale branch, and
+    LLVM's machine sinking moves plain conversions below it, out of the basic block of the
+    exponentials, so ptxas ran them after the last exponential instead of between them."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(high).ir_value(loc=loc, ip=ip), Float32(low).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{pair_type}.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def convert_pinned(src: cute.Tensor, dst: cute.Tensor):
+    """``convert_into`` for compact fp32 ``src`` and compact 16-bit ``dst`` of the same shape,
+    in pairs pinned where the call is traced (see pack_pair_pinned)."""
+    pair_type = PTX_PAIR_TYPES[dst.element_type]
+    words = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=Int32), cute.make_layout(cute.size(src) // 2))
+    for i in cutlass.range_constexpr(cute.size(src) // 2):
+        words[i] = pack_pair_pinned(src[2 * i], src[2 * i + 1], pair_type)
+
+
 @cute.jit
 def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor):
-    """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma.
+    """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma
+    (conversions pinned where this is called).
 
     For 16-bit types the C fragment of an (M, N) product and the A fragment of an (M, K=N)
     product enumerate their registers in the same order, so conversion is element-wise.
     """
-    convert_into(acc, cute.make_tensor(operand.iterator, acc.layout))
+    convert_pinned(acc, cute.make_tensor(operand.iterator, acc.layout))

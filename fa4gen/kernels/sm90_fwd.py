@@ -89,6 +89,7 @@ class HopperAttentionForward(Sm90MainLoop):
         pinned_pv_wait: bool = False,
         persistent: bool = True,
         tile_order: str = "head_major",
+        pair_tail_rounds: int = 0,
         o_staging: str = "own",
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
@@ -152,7 +153,8 @@ class HopperAttentionForward(Sm90MainLoop):
         # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
         self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
-                                       qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave)
+                                       qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
+                                       tail_rounds=pair_tail_rounds)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -306,6 +308,7 @@ class HopperAttentionForward(Sm90MainLoop):
             args=VariantArgs(self.extra_names, extras),
         )
         sizes.heads_batches = sizes.num_heads * sizes.num_batches
+        sizes.grid = cute.arch.grid_dim()[0]
         sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
         sizes.group = self.scheduler.head_group(sizes.seqlen_k, sizes.heads_batches,
                                                 (self.dqk + self.dv) * self.dtype.width // 8)
@@ -345,7 +348,8 @@ class HopperAttentionForward(Sm90MainLoop):
         computes it; the consumers receive it, see ``publish_tile``)."""
         ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
         m_block, head, batch, rank = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads,
-                                                           sizes.num_batches, sizes.pairs, sizes.group, ranking)
+                                                           sizes.num_batches, sizes.grid, sizes.pairs, sizes.group,
+                                                           ranking)
         if cutlass.const_expr(self.scheduler.ranked):
             # the ranking's row also holds the key ranges of the tile's first and last rows: one
             # level of loads, where the rank, then the rows' ranges would be two
@@ -426,11 +430,12 @@ class HopperAttentionForward(Sm90MainLoop):
         run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        grid = cute.arch.grid_dim()[0]
+        grid = sizes.grid
         items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
         for item in cutlass.range(items, unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], sizes.num_m_blocks, sizes.heads_batches,
+                                          grid, sizes.pairs)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs):
                 kv_state, q_state = self.produce_tile(
                     tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, tile, kv_state, q_state
                 )
@@ -518,11 +523,12 @@ class HopperAttentionForward(Sm90MainLoop):
         if cutlass.const_expr(self.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
-        grid = cute.arch.grid_dim()[0]
+        grid = sizes.grid
         items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
         for item in cutlass.range(items, unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], grid, sizes.pairs)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.pairs):
+            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], sizes.num_m_blocks, sizes.heads_batches,
+                                          grid, sizes.pairs)
+            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs):
                 q_state, k_state, v_state = self.consume_tile(
                     sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state
                 )

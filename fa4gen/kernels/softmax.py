@@ -61,6 +61,8 @@ class OnlineSoftmax:
         scale = Float32(self.scale_log2)
         correction = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+            # a running max, one dependent FMNMX per score: a balanced tree of the same FMNMX
+            # measured 0.98-1.01x (0.99x over 11 cells on the H200, both orders)
             tile_max = scores_mn[r, 0]
             for c in cutlass.range_constexpr(1, cute.size(scores_mn, mode=[1])):
                 tile_max = cute.arch.fmax(tile_max, scores_mn[r, c])
@@ -91,10 +93,9 @@ class OnlineSoftmax:
     def rescale(self, out_mn: cute.Tensor, correction: cute.Tensor):
         """O *= correction per row; with a threshold, only in warps where some row moved its max.
 
-        The skip is a branch, and the compiler schedules no later code above it: P's conversions
-        to 16 bits (32 F2FP per 128 keys), which follow, then run after the last exponential
-        instead of between them as they do without the branch (Nsight Compute on the H200:
-        3-5% of the d64 and d128 main loops' stall samples)."""
+        The skip is a branch, and no code after it is scheduled above it: the main loop converts
+        P to 16 bits before calling this, in conversions LLVM cannot sink below the branch
+        (layout.pack_pair_pinned), so they run between the exponentials."""
         if cutlass.const_expr(self.rescale_threshold > 0.0):
             moved = correction[0] != Float32(1.0)
             for r in cutlass.range_constexpr(1, cute.size(out_mn, mode=[0])):

@@ -34,12 +34,13 @@
 #     pinned_pv_wait             False      the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over 22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA
+#     pair_tail_rounds           0          not the paired order: no pairs
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
 #     head_interleave            1          not the head-major order: nothing to interleave
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
-#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, a tuning candidate, measured 0.96-1.02x on the H200, 1.05x at d96)
+#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch)
 #     smem_bytes                 230400     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
@@ -99,6 +100,7 @@ def make_kernel() -> HopperAttentionForward:
         pinned_pv_wait=False,
         persistent=True,
         tile_order="heavy_first",
+        pair_tail_rounds=0,
         l2_group_bytes=0,
         head_interleave=1,
         rotate_key_tiles=False,
