@@ -48,6 +48,7 @@ class Plan(BaseModel):
     persistent: bool  # one CTA per SM walks the tile order (SM count is a run-time argument)
     tile_order: Literal["head_major", "heavy_first", "paired"]  # see fa4gen.kernels.scheduler
     pair_tail_rounds: int  # paired, persistent: the last rounds of pairs go as single tiles, heaviest first
+    pair_tail_min_tiles: int  # ... in launches with at least this many query tiles per head
     l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
     head_interleave: int  # head-major order: query tiles of this many heads interleaved (1: one head after another)
     rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
@@ -78,9 +79,10 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
-    # launches whose longest query sequence is short run another row, chosen per call (both
-    # compile together: a tile is a compile-time shape)
+    # launches whose longest query sequence is short (or long) run another row, chosen per
+    # call (all compile together: a tile is a compile-time shape)
     short: ShortRow | None = None
+    long: LongRow | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,12 @@ class ShortRow:
     max_seqlen_q: int  # launches with at most this many query rows run ``row``
     row: TileRow
     causal_only: bool = False  # only specs with the causal bound (right_bound 0) take it
+
+
+@dataclass(frozen=True)
+class LongRow:
+    min_seqlen_q: int  # launches with at least this many query rows run ``row``
+    row: TileRow
 
 
 SM90_D64_SHORT = TileRow(64, 2, 128, 2, True, 0, "d64 causal, at most 1024 query rows: 128-row tiles on 2 "
@@ -98,6 +106,11 @@ SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 
                          "P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 "
                          "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
                          "its rows idle; from S=2048 on the 192-row tiles win")
+
+SM90_D96_LONG = TileRow(96, 3, 144, 2, True, 0, "d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), "
+                        "with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the "
+                        "H200 at S=8192 and 16384, causal and not); at S=2048 0.96-0.97x, whose last key tile is "
+                        "78% padding", p_in_registers=False)
 
 SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query rows: 64-key tiles measured 1.01-1.06x "
                           "the 80-key ones (order-balanced A/B on the H200, S=512 and 1024, causal and not): 512 keys "
@@ -110,10 +123,9 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True)),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
-            "take 112 of 160 registers, so P goes through shared memory (144-key tiles, flash-attn-4's, with O "
-            "staged over P: 1.01-1.03x at S >= 4096 but 0.96-0.97x at S=2048, whose last key tile is 78% "
-            "padding; a tuning candidate)", p_in_registers=False,
-            short=ShortRow(1024, SM90_D96_SHORT)),
+            "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
+            "run 144-key tiles)", p_in_registers=False,
+            short=ShortRow(1024, SM90_D96_SHORT), long=LongRow(4096, SM90_D96_LONG)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
@@ -131,6 +143,7 @@ EXP2_POLY_PERIOD_SOFTCAP = 0
 # pair-times; the last PAIR_TAIL_ROUNDS rounds of them go as single tiles, heaviest first
 # (fa4gen.kernels.scheduler; 2 rounds of singles leave room to even out the heaviest ones)
 PAIR_TAIL_ROUNDS = 2
+PAIR_TAIL_MIN_TILES = 20  # query tiles per head from which pairs end in a tail (see the reason)
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
@@ -319,6 +332,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         interior_first_tile=_interior_first_tile_applies(spec) and max(dqk, dv) <= INTERIOR_FIRST_TILE_MAX_D,
         pinned_pv_wait=False, persistent=True,
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
+        pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
@@ -423,11 +437,13 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "cells at S=2048-16384 on the H200)" if f["tile_order"] == "head_major"
         else "not the head-major order: nothing to interleave",
         "pair_tail_rounds": f"causal pairs come in whole rounds, one per CTA, so the last one is ragged (d64 "
-        f"causal S=16384 on 132 SMs: 10.4 rounds in 11); the pairs of the last {f['pair_tail_rounds']} rounds and "
-        "the middle tiles run as single tiles heaviest first, which evens the CTAs out to within a few key tiles "
-        "(simulated on the grid's causal cells: 0.99 of an even split, 0.93-0.98 in whole rounds; measured with "
-        "P's pinned conversions against neither on the H200: d64 causal S=8192 1.04x, S=16384 1.02-1.03x, where "
-        "non-causal d64, without a tail, moved 0.99-1.01x)"
+        f"causal S=16384 on 132 SMs: 10.4 rounds in 11); where a head has at least {f['pair_tail_min_tiles']} query "
+        f"tiles, the pairs of the last {f['pair_tail_rounds']} rounds and the middle tiles run as single tiles "
+        "heaviest first, which evens the CTAs out to within a few key tiles (simulated on the grid's causal "
+        "cells: 0.99 of an even split, 0.93-0.98 in whole rounds). Against whole rounds on the H200: d64 causal "
+        "S=8192 1.06x, S=16384 1.04x, d128 S=16384 1.02x, d192 1.02-1.03x, d256 S=4096-16384 1.01-1.02x; with "
+        "4-8 query tiles (S <= 1024) 0.92x at d256 and 0.96-0.98x at d128, hence the minimum",
+        "pair_tail_min_tiles": "see pair_tail_rounds" if f["pair_tail_rounds"] else "no tail"
         if f["pair_tail_rounds"] else "whole rounds of causal pairs to the end" if f["tile_order"] == "paired"
         else "not the paired order: no pairs",
         "rotate_key_tiles": "query tile m visits its key tiles from m below the top and around, so the CTAs "
@@ -482,12 +498,20 @@ class SeqlenSplit(BaseModel):
 def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
     base = _plan_sm90(spec)
     splits = []
-    short = _sm90_row(spec).short
+    row = _sm90_row(spec)
+    short, long = row.short, row.long
     if short is not None and (spec.right_bound == 0 or not short.causal_only):
         short_plan = _plan_sm90(spec, short.row)
         if _schedule(short_plan) != _schedule(base):  # the variant may already choose the same schedule
             splits.append(SeqlenSplit(label="short", max_seqlen_q=short.max_seqlen_q, plan=short_plan,
                                       reason=short.row.reason))
+    if long is not None and not _register_pressure(spec):
+        long_plan = _plan_sm90(spec, long.row)
+        # only where the variant keeps the row's warpgroups (the measured shape), and not the base's
+        if long_plan.num_consumer_warpgroups == long.row.consumer_warpgroups and \
+                _schedule(long_plan) != _schedule(base):
+            splits.append(SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
+                                      reason=long.row.reason))
     return tuple(splits)
 
 
@@ -576,17 +600,20 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         if _interior_first_tile_applies(spec) else None,
         ("P.V wait pin flipped", {"pinned_pv_wait": not base.pinned_pv_wait}) if base.intra_warpgroup_overlap else None,
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False}),
-        ("persistence flipped", {"persistent": not base.persistent, "pair_tail_rounds": 0}),
-        ("causal pairs in whole rounds to the end", {"pair_tail_rounds": 0}) if base.pair_tail_rounds else None,
+        ("persistence flipped", {"persistent": not base.persistent, "pair_tail_rounds": 0, "pair_tail_min_tiles": 0}),
+        ("causal pairs in whole rounds to the end", {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0})
+        if base.pair_tail_rounds else None,
         (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
-        ("causal tiles heaviest first", {"tile_order": "heavy_first", "pair_tail_rounds": 0})
+        ("causal tiles heaviest first", {"tile_order": "heavy_first", "pair_tail_rounds": 0, "pair_tail_min_tiles": 0})
         if base.tile_order == "paired" else None,
         ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first", "pair_tail_rounds": 0,
+                                                    "pair_tail_min_tiles": 0,
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
         ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
         ("query tiles of 2 heads interleaved", {"head_interleave": 2}) if base.tile_order == "head_major" else None,
-        ("documents' query tiles in ranked pairs", {"tile_order": "paired", "pair_tail_rounds": PAIR_TAIL_ROUNDS})
+        ("documents' query tiles in ranked pairs", {"tile_order": "paired", "pair_tail_rounds": PAIR_TAIL_ROUNDS,
+                                                    "pair_tail_min_tiles": PAIR_TAIL_MIN_TILES})
         if spec.is_varlen and base.tile_order == "heavy_first" else None,
     ]
     for period in TUNE_EXP2_POLY_PERIODS:

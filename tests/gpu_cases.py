@@ -110,6 +110,15 @@ def example_specs() -> dict[str, AttentionSpec]:
     return {"quickstart": spec, "quickstart+lse": spec.model_copy(update={"return_lse": True})}
 
 
+def pair_tail_specs() -> dict[str, tuple[AttentionSpec, int]]:
+    """Causal specs and a query length (even and odd query-tile counts, 2 and 3 warpgroups)
+    that the GPU tests launch on a few CTAs: whole rounds of pairs, then the heaviest-first tail
+    (at least the plan's pair_tail_min_tiles query tiles), and one length without a tail."""
+    d128 = AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True)
+    return {"d128-even": (d128, 2560), "d128-odd": (d128, 2600), "d128-no-tail": (d128, 1100),
+            "d64-odd": (AttentionSpec(head_dim=64, causal=True, return_lse=True), 3900)}
+
+
 def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
@@ -134,14 +143,15 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
             if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
-            "persistent": {"persistent": not base.persistent, "pair_tail_rounds": 0},
+            "persistent": {"persistent": not base.persistent, "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired",
-                           "pair_tail_rounds": 0},
-            "pair-tail": {"pair_tail_rounds": 0 if base.pair_tail_rounds else 2} if base.tile_order == "paired"
-            else None,
+                           "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
+            # every launch with a tail (the test lengths have few query tiles), or none
+            "pair-tail": {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0} if base.pair_tail_min_tiles > 1
+            else {"pair_tail_rounds": 2, "pair_tail_min_tiles": 1} if base.tile_order == "paired" else None,
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;
             # the last group narrower where the heads do not divide)
-            "head-groups": {"tile_order": "heavy_first", "pair_tail_rounds": 0,
+            "head-groups": {"tile_order": "heavy_first", "pair_tail_rounds": 0, "pair_tail_min_tiles": 0,
                             "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
             **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
             # O over P waits for the last store in the first key tile, traced apart per schedule

@@ -127,18 +127,19 @@ def test_emit_to_stdout_and_file(tmp_path: Path) -> None:
 
 
 def test_plan_and_emit_show_the_plans_of_length_ranges(tmp_path: Path) -> None:
-    """d96 has a plan for short query sequences: `plan` prints it after the default, and
-    `--seqlen N` selects the plan a launch of N rows runs in `plan --json` and `emit`."""
+    """d96 has plans for short and long query sequences: `plan` prints them after the default,
+    and `--seqlen N` selects the plan a launch of N rows runs in `plan --json` and `emit`."""
     from fa4gen.planner import seqlen_splits
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    (short,) = seqlen_splits(spec, "sm_90a")
+    short, long = seqlen_splits(spec, "sm_90a")
     main = fa4gen.plan(spec, "sm_90a")
     spec_file = write_spec(tmp_path, "head_dim: 96\ncausal: true\n")
     result = run("plan", spec_file)
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{main.describe()}\n\n{short.describe()}"
-    for seqlen, expected in ((1, short.plan), (1024, short.plan), (1025, main), (16384, main)):
+    assert result.stdout.strip() == f"{main.describe()}\n\n{short.describe()}\n\n{long.describe()}"
+    for seqlen, expected in ((1, short.plan), (1024, short.plan), (1025, main), (4095, main), (4096, long.plan),
+                             (16384, long.plan)):
         result = run("plan", spec_file, "--seqlen", str(seqlen), "--json")
         assert result.exit_code == 0, result.output
         assert fa4gen.Plan.model_validate_json(result.stdout) == expected

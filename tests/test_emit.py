@@ -232,6 +232,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "persistent": kernel_plan.persistent,
         "tile_order": kernel_plan.tile_order,
         "pair_tail_rounds": kernel_plan.pair_tail_rounds,
+        "pair_tail_min_tiles": kernel_plan.pair_tail_min_tiles,
         "l2_group_bytes": kernel_plan.l2_group_bytes,
         "head_interleave": kernel_plan.head_interleave,
         "rotate_key_tiles": kernel_plan.rotate_key_tiles,

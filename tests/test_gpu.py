@@ -12,7 +12,7 @@ import pytest
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import SHAPES, gpu_specs, plan_option_cases, variant_inputs, variant_specs
+from gpu_cases import SHAPES, gpu_specs, pair_tail_specs, plan_option_cases, variant_inputs, variant_specs
 
 pytestmark = pytest.mark.gpu
 
@@ -68,24 +68,30 @@ def test_matches_reference(name, shape):
         assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
 
 
-@pytest.mark.parametrize("name, tiles", [("phi3-mini+lse", ((192, 128), (128, 128))),
-                                         ("d256-causal-gqa2+lse", ((128, 80), (128, 64)))])
+@pytest.mark.parametrize("name, tiles", [
+    ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144)}),
+    ("d256-causal-gqa2+lse", {"main": (128, 80), "short": (128, 64)}),
+])
 def test_each_length_range_runs_its_plan(name, tiles):
-    """The default callable carries the planner's kernel for short query sequences (d96: 128-row
-    tiles, d256: 64-key tiles): each launch runs the kernel of its length, and both match the
-    reference on either side of the boundary."""
+    """The default callable carries the planner's kernels for ranges of query lengths (d96:
+    128-row tiles for short sequences and 144-key tiles for long ones; d256: 64-key tiles for
+    short ones): each launch runs the kernel of its length, and all match the reference on
+    either side of each boundary."""
     from fa4gen.planner import plan_for_seqlen, seqlen_splits
 
     spec = CASES[name]
-    (short,) = seqlen_splits(spec, "sm_90a")
+    splits = seqlen_splits(spec, "sm_90a")
     attn = fa4gen.compile(spec)
-    assert [(s.split, s.kernel.plan) for s in attn.splits] == [(short, short.plan)]
-    assert ((attn.plan.tile_m, attn.plan.tile_n), (short.plan.tile_m, short.plan.tile_n)) == tiles
-    for seqlen_q in (short.max_seqlen_q, short.max_seqlen_q + 1):
-        assert attn.kernel_for(seqlen_q).plan == plan_for_seqlen(spec, "sm_90a", seqlen_q)
-        q, k, v, args = variant_inputs(spec, 1, seqlen_q, seqlen_q + 76, seed=seqlen_q, kv_heads=KV_HEADS)
-        out, lse = _run_poisoned(spec, attn, q, k, v, args)
-        assert_close_to_reference(spec, q, k, v, out, lse, args=args)
+    assert [(s.split, s.kernel.plan) for s in attn.splits] == [(split, split.plan) for split in splits]
+    assert {"main": (attn.plan.tile_m, attn.plan.tile_n),
+            **{s.label: (s.plan.tile_m, s.plan.tile_n) for s in splits}} == tiles
+    for split in splits:
+        edge = split.max_seqlen_q if split.max_seqlen_q is not None else split.min_seqlen_q - 1
+        for seqlen_q in (edge, edge + 1):
+            assert attn.kernel_for(seqlen_q).plan == plan_for_seqlen(spec, "sm_90a", seqlen_q)
+            q, k, v, args = variant_inputs(spec, 1, seqlen_q, seqlen_q + 76, seed=seqlen_q, kv_heads=KV_HEADS)
+            out, lse = _run_poisoned(spec, attn, q, k, v, args)
+            assert_close_to_reference(spec, q, k, v, out, lse, args=args)
 
 
 @pytest.mark.parametrize("name", ["empty-rows+lse", "empty-rows-sinks+lse"])
@@ -166,6 +172,7 @@ def test_rejects_cpu_tensors_and_bad_heads_before_launch():
 
 
 OPTION_CASES = plan_option_cases()
+TAIL_CASES = pair_tail_specs()
 
 
 @pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17), (2, 300, 1280)],
@@ -189,16 +196,12 @@ def test_plan_option_paths(name, shape):
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
-@pytest.mark.parametrize("spec, seqlen", [
-    (fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True), 1000),  # 8 query tiles
-    (fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True), 1100),  # 9: a middle
-    (fa4gen.AttentionSpec(head_dim=64, causal=True, return_lse=True), 1300),  # 192-row tiles, 7: a middle
-], ids=["d128-even", "d128-odd", "d64-odd"])
-def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, spec, seqlen):
+@pytest.mark.parametrize("name", sorted(TAIL_CASES))
+def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, name):
     """A persistent launch on fewer CTAs than SMs (the SM count is a run-time argument), so the
-    causal schedule runs whole rounds of pairs and then its heaviest-first tail of single tiles."""
-    import torch
-
+    causal schedule runs whole rounds of pairs and then, with enough query tiles per head, its
+    heaviest-first tail of single tiles."""
+    spec, seqlen = TAIL_CASES[name]
     attn = fa4gen.compile(spec)
     assert attn.plan.tile_order == "paired" and attn.plan.pair_tail_rounds > 0
     monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)

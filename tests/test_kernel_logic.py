@@ -25,6 +25,7 @@ from cutlass.cute.runtime import from_dlpack
 import fa4gen
 from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
+from fa4gen.planner import PAIR_TAIL_MIN_TILES
 from fa4gen.kernels.sm90_fwd import TileInfo
 from fa4gen.kernels.variant import VariantArgs
 from fa4gen.runtime import document_tables
@@ -99,14 +100,19 @@ def test_every_order_hands_out_every_tile_once(order, size, grid):
             assert mine == sorted(mine, reverse=True)
 
 
+TAIL_SIZES = [(20, 3, 1), (21, 4, 2), (33, 2, 2), (86, 5, 1), (43, 7, 2)]  # at least PAIR_TAIL_MIN_TILES
+
+
 @pytest.mark.parametrize("tail_rounds", [1, 2])
-@pytest.mark.parametrize("size", SIZES + [(86, 5, 1), (43, 7, 2)], ids=lambda s: "m{}-h{}-b{}".format(*s))
+@pytest.mark.parametrize("size", TAIL_SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
 @pytest.mark.parametrize("grid", [1, 5, 7, 132])
 def test_paired_tail_hands_out_every_tile_once_heaviest_first(tail_rounds, size, grid):
     """Pairs in whole rounds, then the rest as single tiles: every tile once; each CTA's pairs
     join M-1-j and j of one head; after them its tiles never get heavier."""
     m, h, b = size
-    walked = _walk(TileScheduler("paired", tail_rounds=tail_rounds), m, h, b, grid, seqlen_k=1000)
+    assert m >= PAIR_TAIL_MIN_TILES
+    scheduler = TileScheduler("paired", tail_rounds=tail_rounds, tail_min_tiles=PAIR_TAIL_MIN_TILES)
+    walked = _walk(scheduler, m, h, b, grid, seqlen_k=1000)
     _assert_every_tile_once(walked, m, h, b)
     front = max((m // 2) * h * b // grid - tail_rounds, 0)
     for cta in walked[:, 0].unique().tolist():
@@ -116,6 +122,17 @@ def test_paired_tail_hands_out_every_tile_once_heaviest_first(tail_rounds, size,
         for first, second in zip(pairs[0::2].tolist(), pairs[1::2].tolist()):
             assert first[2] + second[2] == m - 1 and first[3:5] == second[3:5]
         assert tail[:, 2].tolist() == sorted(tail[:, 2].tolist(), reverse=True)  # query tile m: m + 1 key tiles
+
+
+@pytest.mark.parametrize("size", [s for s in SIZES if s[0] < 20] + [(19, 3, 2)], ids=lambda s: "m{}-h{}-b{}".format(*s))
+@pytest.mark.parametrize("grid", [1, 7, 132])
+def test_paired_tail_only_with_many_query_tiles(size, grid):
+    """Below PAIR_TAIL_MIN_TILES query tiles per head the schedule is the one without a tail."""
+    m, h, b = size
+    assert m < PAIR_TAIL_MIN_TILES
+    scheduler = TileScheduler("paired", tail_rounds=2, tail_min_tiles=PAIR_TAIL_MIN_TILES)
+    with_tail = _walk(scheduler, m, h, b, grid, seqlen_k=1000)
+    assert torch.equal(with_tail, _walk(TileScheduler("paired"), m, h, b, grid, seqlen_k=1000))
 
 
 @pytest.mark.parametrize("size, grid", [((86, 32, 1), 132), ((43, 32, 2), 132), ((128, 16, 1), 132),
@@ -134,7 +151,7 @@ def test_paired_tail_balances_the_last_round(size, grid):
         work.index_add_(0, walked[:, 0].long(), (walked[:, 2] + 1).float())
         return work.max().item()
 
-    with_tail = slowest(TileScheduler("paired", tail_rounds=2))
+    with_tail = slowest(TileScheduler("paired", tail_rounds=2, tail_min_tiles=PAIR_TAIL_MIN_TILES))
     assert with_tail <= 1.02 * ideal
     assert with_tail < slowest(TileScheduler("paired"))  # 1.023-1.055x the even split: what the tail mends
 

@@ -374,9 +374,9 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
 @pytest.mark.parametrize(
     "fields, labels",
     [
-        ({"head_dim": 96}, ["short"]),
-        ({"head_dim": 96, "causal": True}, ["short"]),
-        ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, ["short"]),
+        ({"head_dim": 96}, ["short", "long"]),
+        ({"head_dim": 96, "causal": True}, ["short", "long"]),
+        ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, ["short", "long"]),
         ({"head_dim": 96, "causal": True, "window_left": 256}, []),  # already 2 warpgroups; a window: no pairs
         ({"head_dim": 96, "score_mod": "alibi"}, []),
         ({"head_dim": 64}, []),  # the 2-warpgroup tiles measured slower without the causal mask
@@ -413,6 +413,12 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
         assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
         assert "at most 1024 query rows" in split.describe()
+    if "long" in splits:  # d96: 144-key tiles on the same 3 warpgroups, P through shared memory
+        split = splits["long"]
+        assert (split.min_seqlen_q, split.max_seqlen_q) == (4096, None) and "4096 query rows" in split.reason
+        assert (split.plan.tile_m, split.plan.tile_n, main.tile_n) == (192, 144, 128)
+        assert not split.plan.p_in_registers and split.plan.reasons["tile_n"] == split.reason
+        assert "at least 4096 query rows" in split.describe()
     assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96, 256]
     assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT and SM90_FWD_TILES[-1].short.row is SM90_D256_SHORT
 

@@ -218,12 +218,12 @@ def test_each_length_range_runs_its_kernel():
     """With kernels for length ranges attached, a launch whose longest query sequence falls in a
     range goes to that range's kernel (whole: validation, tables and launch); other lengths and
     unknown ones go to the default."""
-    from fa4gen.planner import SeqlenSplit, seqlen_splits
+    from fa4gen.planner import seqlen_splits
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    (split,) = seqlen_splits(spec, "sm_90a")
-    long_split = SeqlenSplit(label="long", min_seqlen_q=4096, plan=fa4gen.plan(spec, "sm_90a"), reason="a test")
+    split, long_split = seqlen_splits(spec, "sm_90a")
+    assert (split.label, long_split.label, long_split.min_seqlen_q) == ("short", "long", 4096)
     short = AttentionKernel(spec, split.plan, Recorder(), key="short")
     long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
     launched = []

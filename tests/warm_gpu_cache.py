@@ -12,11 +12,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fa4gen  # noqa: E402
-from gpu_cases import example_specs, gpu_specs, plan_option_cases, variant_specs  # noqa: E402
+from gpu_cases import example_specs, gpu_specs, pair_tail_specs, plan_option_cases, variant_specs  # noqa: E402
 
 
 def main(cache_dir: str) -> None:
-    for name, spec in {**gpu_specs(), **variant_specs(), **example_specs()}.items():
+    tails = {f"pair-tail/{name}": spec for name, (spec, _) in pair_tail_specs().items()}
+    for name, spec in {**gpu_specs(), **variant_specs(), **example_specs(), **tails}.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
         state = "compiled" if result.any_built_now else "cached"

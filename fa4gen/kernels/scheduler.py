@@ -36,7 +36,8 @@ Three orders (the plan's ``tile_order``):
   snake over the CTAs: the tail's heads are the last few, so its K/V stays in L2, and its tiles
   get lighter as it goes, so the CTAs finish within a few key tiles of each other (the longest
   processing time rule; simulated on the grid's causal cells: 0.99 of the ideal, 0.93-0.98
-  with whole rounds of pairs).
+  with whole rounds of pairs). Only launches with at least ``tail_min_tiles`` query tiles
+  per head take the tail (``tail_now``).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ TILE_ORDERS = ("head_major", "heavy_first", "paired")
 
 class TileScheduler:
     def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None, group_bytes: int = 0,
-                 qhead_per_kvhead: int = 1, interleave: int = 1, tail_rounds: int = 0):
+                 qhead_per_kvhead: int = 1, interleave: int = 1, tail_rounds: int = 0, tail_min_tiles: int = 0):
         assert order in TILE_ORDERS, order
         assert tail_rounds >= 0
         self.order = order
         # paired: rounds of pairs handed out as single tiles, heaviest first, at the end
         self.tail_rounds = tail_rounds if order == "paired" else 0
+        self.tail_min_tiles = tail_min_tiles  # query tiles per head from which a launch takes the tail
         # heavy_first / paired through a run-time ranking of the query tiles (head_major ignores it)
         self.ranked = ranked and order in ("heavy_first", "paired")
         self.pair_limit = pair_limit if order == "paired" else None
@@ -93,6 +95,14 @@ class TileScheduler:
             units = (num_m_blocks // 2 + num_m_blocks % 2) * heads_batches
         return units
 
+    def tail_now(self, num_m_blocks: Int32):
+        """Whether this launch's pairs end in a tail: only with many query tiles per head. With
+        few, each round's single tiles come from many heads where pairs came from few, and
+        the short tiles pay for their own prologue and epilogue: on the H200 the tail measured
+        1.02-1.06x at 22-128 query tiles per head (S >= 4096) but 0.92x at d256 and 0.96-0.98x
+        at d128 with 4-8 (S <= 1024)."""
+        return num_m_blocks >= self.tail_min_tiles
+
     @cute.jit
     def front_rounds(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32) -> Int32:
         """With a tail: the rounds of pairs before it (every CTA runs one pair per round)."""
@@ -111,8 +121,9 @@ class TileScheduler:
         if pairs:
             items = 2 * items
             if cutlass.const_expr(self.tail_rounds > 0):
-                items = 2 * self.front_rounds(num_m_blocks, heads_batches, grid) + cute.ceil_div(
-                    self.tail_tiles(num_m_blocks, heads_batches, grid), grid)
+                if self.tail_now(num_m_blocks):
+                    items = 2 * self.front_rounds(num_m_blocks, heads_batches, grid) + cute.ceil_div(
+                        self.tail_tiles(num_m_blocks, heads_batches, grid), grid)
         return items
 
     @cute.jit
@@ -128,7 +139,7 @@ class TileScheduler:
             tile = ((item // 2) * grid + cta) * 2 + item % 2  # slot * 2 + (0: first, 1: second)
             if cutlass.const_expr(self.tail_rounds > 0):
                 front = self.front_rounds(num_m_blocks, heads_batches, grid)
-                if item >= 2 * front:
+                if self.tail_now(num_m_blocks) & (item >= 2 * front):
                     tail_item = item - 2 * front
                     offset = cta
                     if tail_item % 2 == 1:
@@ -145,7 +156,8 @@ class TileScheduler:
             ok = (slot < self.work_units(num_m_blocks, heads_batches, pairs)) & ((tile % 2 == 0) | ~single)
             if cutlass.const_expr(self.tail_rounds > 0):
                 front = self.front_rounds(num_m_blocks, heads_batches, grid) * grid
-                ok = tile - 2 * front < self.tail_tiles(num_m_blocks, heads_batches, grid)
+                if self.tail_now(num_m_blocks):
+                    ok = tile - 2 * front < self.tail_tiles(num_m_blocks, heads_batches, grid)
         return ok
 
     @cute.jit
@@ -159,7 +171,7 @@ class TileScheduler:
             m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
             if cutlass.const_expr(self.tail_rounds > 0):
                 front = self.front_rounds(num_m_blocks, heads_batches, grid) * grid
-                if tile >= 2 * front:
+                if self.tail_now(num_m_blocks) & (tile >= 2 * front):
                     m_block, head_batch = self._decode_tail(tile - 2 * front, front, num_m_blocks, heads_batches)
         rank = m_block
         if cutlass.const_expr(self.ranked):

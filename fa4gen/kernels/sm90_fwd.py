@@ -90,6 +90,7 @@ class HopperAttentionForward(Sm90MainLoop):
         persistent: bool = True,
         tile_order: str = "head_major",
         pair_tail_rounds: int = 0,
+        pair_tail_min_tiles: int = 0,
         o_staging: str = "own",
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
@@ -154,7 +155,7 @@ class HopperAttentionForward(Sm90MainLoop):
         self.pinned_pv_wait = pinned_pv_wait
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
                                        qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
-                                       tail_rounds=pair_tail_rounds)
+                                       tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
