@@ -442,10 +442,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "heaviest first, which evens the CTAs out to within a few key tiles (simulated on the grid's causal "
         "cells: 0.99 of an even split, 0.93-0.98 in whole rounds). Against whole rounds on the H200: d64 causal "
         "S=8192 1.06x, S=16384 1.04x, d128 S=16384 1.02x, d192 1.02-1.03x, d256 S=4096-16384 1.01-1.02x; with "
-        "4-8 query tiles (S <= 1024) 0.92x at d256 and 0.96-0.98x at d128, hence the minimum",
-        "pair_tail_min_tiles": "see pair_tail_rounds" if f["pair_tail_rounds"] else "no tail"
+        "4-8 query tiles (S <= 1024) 0.92x at d256 and 0.96-0.98x at d128, hence the minimum"
         if f["pair_tail_rounds"] else "whole rounds of causal pairs to the end" if f["tile_order"] == "paired"
         else "not the paired order: no pairs",
+        "pair_tail_min_tiles": "see pair_tail_rounds" if f["pair_tail_rounds"] else "no tail",
         "rotate_key_tiles": "query tile m visits its key tiles from m below the top and around, so the CTAs "
         "of one head read different K/V tiles at a time" if f["rotate_key_tiles"] else "key tiles from the "
         "highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the "

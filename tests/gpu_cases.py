@@ -146,9 +146,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "persistent": {"persistent": not base.persistent, "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired",
                            "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
-            # every launch with a tail (the test lengths have few query tiles), or none
-            "pair-tail": {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0} if base.pair_tail_min_tiles > 1
-            else {"pair_tail_rounds": 2, "pair_tail_min_tiles": 1} if base.tile_order == "paired" else None,
+            # whole rounds of causal pairs to the end (the tail itself: pair_tail_specs)
+            "pair-tail": {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0} if base.pair_tail_rounds else None,
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;
             # the last group narrower where the heads do not divide)
             "head-groups": {"tile_order": "heavy_first", "pair_tail_rounds": 0, "pair_tail_min_tiles": 0,

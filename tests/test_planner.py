@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from fa4gen.arch import Arch, UnsupportedArchError, arch_for_capability, require_supported
 from fa4gen.planner import (
     MMA_K_GRANULE,
+    PAIR_TAIL_MIN_TILES,
+    PAIR_TAIL_ROUNDS,
     SM90_FWD_TILES,
     Plan,
     candidates,
@@ -369,6 +371,13 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
     assert p.tile_order == order
     if order == "paired":  # the reason says when a window lets pairs run
         assert ("window" in p.reasons["tile_order"]) == ("window_left" in fields)
+    # only pairs end in a tail, and the reasons say so
+    tail = (p.pair_tail_rounds, p.pair_tail_min_tiles)
+    assert tail == ((PAIR_TAIL_ROUNDS, PAIR_TAIL_MIN_TILES) if order == "paired" else (0, 0))
+    assert (f"at least {PAIR_TAIL_MIN_TILES} query tiles" in p.reasons["pair_tail_rounds"]) == (order == "paired")
+    if order != "paired":
+        assert p.reasons["pair_tail_rounds"] == "not the paired order: no pairs"
+        assert p.reasons["pair_tail_min_tiles"] == "no tail"
 
 
 @pytest.mark.parametrize(

@@ -586,9 +586,15 @@ class HopperAttentionForward(Sm90MainLoop):
         before the first P of the next tile overwrites it (the main loop calls this once per
         query tile, while its first Q.K^T runs; the store is long done as a rule)."""
         if cutlass.const_expr(self.o_over_p):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
+            self.o_store_has_read(wg)
+
+    @cute.jit
+    def o_store_has_read(self, wg: Int32):
+        """Wait until this warpgroup's last O store has read its staging tile: the warp that
+        issued it waits for the bulk copies' reads, the warpgroup's barrier passes it on."""
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:  # the warp that issues the store
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
@@ -606,9 +612,7 @@ class HopperAttentionForward(Sm90MainLoop):
             # O has its own buffer (or P's, which every warp's last P.V has read once all pass
             # the barrier): the previous tile's store was left running; it must have read the
             # buffer before this tile overwrites it (long done by now, as a rule)
-            if storing:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
+            self.o_store_has_read(wg)
         self.stage_o(loop, sO)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
@@ -621,9 +625,7 @@ class HopperAttentionForward(Sm90MainLoop):
             cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(self.o_over_q):
             # O sits over Q's rows: the next tile's Q may load only once the store has read them
-            if storing:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
+            self.o_store_has_read(wg)
         if cutlass.const_expr(self.return_lse):
             coords = rows_cols_view(loop.coords_s)
             if coords[0, 0][1] == 0:

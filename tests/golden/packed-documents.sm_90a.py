@@ -31,8 +31,8 @@
 #     pinned_pv_wait             False      the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over 22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait
 #     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
 #     tile_order                 heavy_first work per query tile differs: the heaviest tiles start first, in a snake order that pairs heavy and light tiles per CTA
-#     pair_tail_rounds           0          causal pairs come in whole rounds, one per CTA, so the last one is ragged (d64 causal S=16384 on 132 SMs: 10.4 rounds in 11); where a head has at least 0 query tiles, the pairs of the last 0 rounds and the middle tiles run as single tiles heaviest first, which evens the CTAs out to within a few key tiles (simulated on the grid's causal cells: 0.99 of an even split, 0.93-0.98 in whole rounds). Against whole rounds on the H200: d64 causal S=8192 1.06x, S=16384 1.04x, d128 S=16384 1.02x, d192 1.02-1.03x, d256 S=4096-16384 1.01-1.02x; with 4-8 query tiles (S <= 1024) 0.92x at d256 and 0.96-0.98x at d128, hence the minimum
-#     pair_tail_min_tiles        0          not the paired order: no pairs
+#     pair_tail_rounds           0          not the paired order: no pairs
+#     pair_tail_min_tiles        0          no tail
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
 #     head_interleave            1          not the head-major order: nothing to interleave
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
