@@ -79,6 +79,9 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
+    # specs without a mask (every key tile full, no diagonal) that keep the row's warpgroups
+    # take this deeper K/V ring instead, where it fits: (stages, the reason)
+    unmasked_stages: tuple[int, str] | None = None
     # launches whose longest query sequence is short (or long) run another row, chosen per
     # call (all compile together: a tile is a compile-time shape)
     short: ShortRow | None = None
@@ -121,7 +124,10 @@ SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query row
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
-            "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True)),
+            "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True),
+            unmasked_stages=(3, "d64 without a mask: a third K/V stage (16 KB each of K and V) measured 1.006-1.023x "
+                             "at S=512-16384 on the H200 (two order-balanced A/Bs, 2026-12-01-zr/zs), a fourth no "
+                             "better; causal d64 measured 0.95-0.98x with it, so masked specs keep 2")),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
             "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
             "run 144-key tiles)", p_in_registers=False,
@@ -319,7 +325,13 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     tile_m = WARPGROUP_MMA_M * warpgroups
-    tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
+    fit = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
+    stages_reason = None
+    if row.unmasked_stages and not spec.has_mask and warpgroups == row.consumer_warpgroups:
+        deeper = _sm90_fit_smem(tile_m, tile_n, row.unmasked_stages[0], dqk, dv, p_regs)
+        if not deeper[-1]:  # fits as it is
+            fit, stages_reason = deeper, row.unmasked_stages[1]
+    tile_n, stages, o_staging, q_stages, shrunk = fit
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     fields = dict(
@@ -337,7 +349,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
-    why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
+    why = {"tile_n": tile_reason, "kv_stages": stages_reason or tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
     planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
@@ -620,6 +632,9 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",
                       {"exp2_poly_period": period}))
     flips.append(("O rescaled every tile", {"rescale_threshold": 0.0}))
+    for stages in (base.kv_stages - 1, base.kv_stages + 1):
+        if stages >= 2:  # (one stage would leave the producer nothing to load ahead)
+            flips.append((f"{stages} K/V stages", {"kv_stages": stages}))
     for step in TUNE_TILE_N_STEPS:
         flips.append((f"tile_n {base.tile_n + step}", {"tile_n": base.tile_n + step}))
     other = 5 - base.num_consumer_warpgroups  # 2 <-> 3 consumer warpgroups

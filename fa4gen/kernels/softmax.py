@@ -12,6 +12,10 @@ choice of the plan:
 - ``rescale_threshold`` t > 0 (log2 units): a row keeps its stale running max until a tile's max
   exceeds it by more than t, so probabilities may reach 2^t (harmless in fp32 sums and in
   bf16/fp16 P) and the O rescale is skipped by every warp whose rows all kept their max.
+
+Row sums stay FADDs here: summing P on the tensor cores instead (P times a tile of ones, an
+N=8 wgmma beside each P.V, rescaled with O) removed 64 of 66 FADDs per 128-key tile and measured
+0.95-0.98x on the H200 (benchmarks/results/2026-12-01-zp).
 """
 
 from __future__ import annotations
