@@ -79,9 +79,9 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
-    # specs without a mask (every key tile full, no diagonal) that keep the row's warpgroups
-    # take this deeper K/V ring instead, where it fits: (stages, the reason)
-    unmasked_stages: tuple[int, str] | None = None
+    # specs without a mask that keep the row's warpgroups rescale O every tile (threshold 0),
+    # for this measured reason; None: the threshold everywhere
+    unmasked_rescale_every_tile: str | None = None
     # launches whose longest query sequence is short (or long) run another row, chosen per
     # call (all compile together: a tile is a compile-time shape)
     short: ShortRow | None = None
@@ -125,9 +125,11 @@ SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query row
 SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
             "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True),
-            unmasked_stages=(3, "d64 without a mask: a third K/V stage (16 KB each of K and V) measured 1.006-1.023x "
-                             "at S=512-16384 on the H200 (two order-balanced A/Bs, 2026-12-01-zr/zs), a fourth no "
-                             "better; causal d64 measured 0.95-0.98x with it, so masked specs keep 2")),
+            unmasked_rescale_every_tile="d64 without a mask: O rescaled every tile, with no branch to skip it, so "
+            "P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), "
+            "measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, "
+            "2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim "
+            "0.91-1.01x (-zw)"),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
             "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
             "run 144-key tiles)", p_in_registers=False,
@@ -324,14 +326,10 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # a row that sends P through smem for its register budget keeps P in registers once the
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
+    every_tile = (row.unmasked_rescale_every_tile if not spec.has_mask and warpgroups == row.consumer_warpgroups
+                  else None)
     tile_m = WARPGROUP_MMA_M * warpgroups
-    fit = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
-    stages_reason = None
-    if row.unmasked_stages and not spec.has_mask and warpgroups == row.consumer_warpgroups:
-        deeper = _sm90_fit_smem(tile_m, tile_n, row.unmasked_stages[0], dqk, dv, p_regs)
-        if not deeper[-1]:  # fits as it is
-            fit, stages_reason = deeper, row.unmasked_stages[1]
-    tile_n, stages, o_staging, q_stages, shrunk = fit
+    tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     fields = dict(
@@ -346,11 +344,12 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
         pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
-        exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2,
+        exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
-    why = {"tile_n": tile_reason, "kv_stages": stages_reason or tile_reason, "exp2_poly_period": exp2_reason,
+    why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
+           **({"rescale_threshold": every_tile} if every_tile else {}),
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
     planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
     assert not plan_problem(planned), plan_problem(planned)
@@ -475,7 +474,7 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
         "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
-        "conversions were pinned above the skip's branch)",
+        "conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)",
         "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['o_staging'] == 'own' else ''}"
         f"{'' if f['p_in_registers'] else '+ P '}+ {f['kv_stages']} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
@@ -631,7 +630,9 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",
                       {"exp2_poly_period": period}))
-    flips.append(("O rescaled every tile", {"rescale_threshold": 0.0}))
+    flips.append(("O rescaled every tile", {"rescale_threshold": 0.0}) if base.rescale_threshold else
+                 (f"O rescaled past a threshold of 2^{RESCALE_THRESHOLD_LOG2:g}",
+                  {"rescale_threshold": RESCALE_THRESHOLD_LOG2}))
     for stages in (base.kv_stages - 1, base.kv_stages + 1):
         if stages >= 2:  # (one stage would leave the producer nothing to load ahead)
             flips.append((f"{stages} K/V stages", {"kv_stages": stages}))

@@ -15,7 +15,6 @@ from fa4gen.planner import (
     candidates,
     plan,
     plan_problem,
-    plan_smem_bytes,
     sm90_register_pool,
     sm90_smem_bytes,
 )
@@ -103,7 +102,7 @@ def test_every_field_including_arch_has_a_reason():
 
 @pytest.mark.parametrize(
     "head_dim, head_dim_v, tile_n, kv_stages",
-    [(128, 128, 128, 2), (64, 64, 128, 3), (256, 256, 80, 2), (192, 128, 128, 2)],
+    [(128, 128, 128, 2), (64, 64, 128, 2), (256, 256, 80, 2), (192, 128, 128, 2)],
 )
 def test_plan_exact_main_rows(head_dim, head_dim_v, tile_n, kv_stages):
     p = plan(_spec(head_dim, head_dim_v), "sm_90a")
@@ -111,22 +110,6 @@ def test_plan_exact_main_rows(head_dim, head_dim_v, tile_n, kv_stages):
     assert (p.head_dim_padded, p.head_dim_v_padded) == (head_dim, head_dim_v)
     assert p.p_in_registers is True
     assert p.num_consumer_warpgroups == (3 if head_dim <= 64 else 2)
-
-
-def test_a_third_kv_stage_only_for_unmasked_d64_on_its_rows_warpgroups():
-    deeper = plan(_spec(64, 64), "sm_90a")
-    assert deeper.kv_stages == 3 and "without a mask" in deeper.reasons["kv_stages"]
-    assert deeper.smem_bytes == plan_smem_bytes(deeper) <= SMEM_LIMIT
-    # a causal diagonal, a window or a mask: the row's 2 stages (causal measured slower with 3)
-    for masked in (AttentionSpec(head_dim=64, causal=True), AttentionSpec(head_dim=64, window_left=256),
-                   AttentionSpec(head_dim=64, mask={"kind": "chunked", "size": 1024})):
-        p = plan(masked, "sm_90a")
-        assert p.kv_stages == 2 and "without a mask" not in p.reasons["kv_stages"], masked.summary()
-    # a score modifier steps back to 2 warpgroups (registers): not the measured shape, 2 stages
-    stepped = plan(AttentionSpec(head_dim=64, score_mod={"kind": "alibi"}), "sm_90a")
-    assert stepped.num_consumer_warpgroups == 2 and stepped.kv_stages == 2
-    # rows without the override keep their stages unmasked
-    assert plan(_spec(128, 128), "sm_90a").kv_stages == 2
 
 
 def test_plan_d192_d192_shrinks_to_fit():
@@ -332,11 +315,26 @@ def test_conditional_rescale_is_on_by_default():
     assert "2^8" in p.reasons["rescale_threshold"]
 
 
+def test_unmasked_d64_rescales_every_tile_where_measured():
+    """d64 without a mask rescales O every tile (measured faster there); a causal or windowed
+    d64, a d64 stepped back to 2 warpgroups and other head dims keep the threshold."""
+    every = plan(AttentionSpec(head_dim=64), "sm_90a")
+    assert every.rescale_threshold == 0.0 and "d64 without a mask" in every.reasons["rescale_threshold"]
+    for kept in (AttentionSpec(head_dim=64, causal=True), AttentionSpec(head_dim=64, window_left=256),
+                 AttentionSpec(head_dim=64, score_mod={"kind": "alibi"}), AttentionSpec(head_dim=96),
+                 AttentionSpec(head_dim=128), AttentionSpec(head_dim=256)):
+        p = plan(kept, "sm_90a")
+        assert p.rescale_threshold == 8.0 and "2^8" in p.reasons["rescale_threshold"], kept.summary()
+    # tuning tries the other choice either way
+    assert any(p.rescale_threshold == 8.0 for p in candidates(AttentionSpec(head_dim=64), "sm_90a"))
+    assert any(p.rescale_threshold == 0.0 for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+
+
 def test_tuning_candidates_vary_the_exponential_split():
     found = candidates(AttentionSpec(head_dim=64), "sm_90a")
     periods = {p.exp2_poly_period for p in found}
     assert {0, 2, 3, 4, 8} <= periods
-    assert any(p.rescale_threshold == 0.0 for p in found)
+    assert {p.rescale_threshold for p in found} == {0.0, 8.0}
     assert len({p.canonical_json() for p in found}) == len(found)
 
 

@@ -78,11 +78,15 @@ def convert_pinned(src: cute.Tensor, dst: cute.Tensor):
 
 
 @cute.jit
-def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor):
+def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor, pinned: bool = True):
     """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma
-    (conversions pinned where this is called).
+    (``pinned``: conversions pinned where this is called, see pack_pair_pinned).
 
     For 16-bit types the C fragment of an (M, N) product and the A fragment of an (M, K=N)
     product enumerate their registers in the same order, so conversion is element-wise.
     """
-    convert_pinned(acc, cute.make_tensor(operand.iterator, acc.layout))
+    target = cute.make_tensor(operand.iterator, acc.layout)
+    if cutlass.const_expr(pinned):
+        convert_pinned(acc, target)
+    else:
+        convert_into(acc, target)

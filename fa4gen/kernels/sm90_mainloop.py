@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4gen.kernels.layout import convert_pinned, rows_cols_view, store_as_operand_a
+from fa4gen.kernels.layout import convert_into, convert_pinned, rows_cols_view, store_as_operand_a
 
 WARPGROUP_THREADS = 128
 TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
@@ -282,19 +282,31 @@ class Sm90MainLoop:
         MMA needs; one warp's sync measured 1.00-1.03x, outputs bit-identical (FlashAttention-3
         and flash-attn-4 sync one warp here too).
 
-        The overlapped tile calls this right after the P.V wait, before the branches of the V
-        release and of the O rescale, with conversions LLVM cannot sink below them
-        (layout.pack_pair_pinned): they stay in the exponentials' basic block, where ptxas
-        interleaves the F2FP with the MUFU ex2 instead of running them after the last one
-        (measured 1.02x over 26 cells on the H200, d96 1.04-1.09x, outputs bit-identical)."""
+        Where O's rescale is skipped below a threshold (a branch), the overlapped tile calls
+        this right after the P.V wait, before the branches of the V release and of the O
+        rescale, with conversions LLVM cannot sink below them (layout.pack_pair_pinned): they
+        stay in the exponentials' basic block, where ptxas interleaves the F2FP with the MUFU
+        ex2 instead of running them after the last one (measured 1.02x over 26 cells on the
+        H200, d96 1.04-1.09x, outputs bit-identical). Where O is rescaled every tile (no branch)
+        the conversions are plain and follow the V release (see pins_p_conversions)."""
+        pinned = self.pins_p_conversions()
         if cutlass.const_expr(self.p_in_registers):
-            store_as_operand_a(acc_s, loop.p)
+            store_as_operand_a(acc_s, loop.p, pinned)
         else:
             p_low, stmatrix, source, target = loop.p_store
-            convert_pinned(acc_s, p_low)
+            if cutlass.const_expr(pinned):
+                convert_pinned(acc_s, p_low)
+            else:
+                convert_into(acc_s, p_low)
             cute.copy(stmatrix, source, target)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
+
+    def pins_p_conversions(self) -> bool:
+        """Whether P's conversions are pinned above the branches (store_p): with a rescale
+        threshold. Rescaling every tile, plain conversions after the V release measured 1.015x
+        the pinned ones at d64 (S=512-16384, both orders on the H200; pinned: 1.00x)."""
+        return self.softmax.rescale_threshold > 0.0
 
     # ------------------------------------------------------------------ one key tile
     @cute.jit
@@ -352,8 +364,11 @@ class Sm90MainLoop:
         if cutlass.const_expr(self.pinned_pv_wait):
             self.release_after(loop.pipe_k, k_state, loop.row_sum)
         warpgroup.wait_group(0)
-        self.store_p(loop, acc_s)  # before the branches of the release and the rescale
+        if cutlass.const_expr(self.pins_p_conversions()):
+            self.store_p(loop, acc_s)  # before the branches of the release and the rescale
         loop.pipe_v.consumer_release(v_state)
+        if cutlass.const_expr(not self.pins_p_conversions()):
+            self.store_p(loop, acc_s)  # plain conversions: no rescale branch to sink below
         self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
         k_state.advance()
         v_state.advance()

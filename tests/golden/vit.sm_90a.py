@@ -11,7 +11,7 @@
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     192        3 consumer warpgroups x 64 rows each
 #     tile_n                     128        small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
-#     kv_stages                  3          d64 without a mask: a third K/V stage (16 KB each of K and V) measured 1.006-1.023x at S=512-16384 on the H200 (two order-balanced A/Bs, 2026-12-01-zr/zs), a fourth no better; causal d64 measured 0.95-0.98x with it, so masked specs keep 2
+#     kv_stages                  2          small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed between softmaxes; S, P, O fit 160 registers
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
@@ -35,8 +35,8 @@
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
-#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch)
-#     smem_bytes                 173056     2 x Q + O + 3 x (K + V) tiles + barriers, of 232448 available
+#     rescale_threshold          0.0        d64 without a mask: O rescaled every tile, with no branch to skip it, so P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, 2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim 0.91-1.01x (-zw)
+#     smem_bytes                 140288     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -63,7 +63,7 @@ def make_kernel() -> HopperAttentionForward:
         qhead_per_kvhead=1,
         tile_m=192,
         tile_n=128,
-        kv_stages=3,
+        kv_stages=2,
         q_stages=2,
         p_in_registers=True,
         num_consumer_warpgroups=3,
@@ -95,7 +95,7 @@ def make_kernel() -> HopperAttentionForward:
         rotate_key_tiles=False,
         o_staging="own",
         exp2_poly_period=0,
-        rescale_threshold=8.0,
+        rescale_threshold=0.0,
     )
 
 
