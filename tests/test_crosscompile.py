@@ -75,6 +75,22 @@ def test_ptx_uses_hopper_machinery(artifacts):
         assert not re.search(r"\.local\b", ptx), f"{name}: local memory in PTX"
 
 
+def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts):
+    """P's 16-bit conversions are volatile inline asm (layout.pack_pair_pinned) where a rescale
+    threshold puts a branch after them, and plain conversions (which LLVM may sink) where O is
+    rescaled every tile: sm90_mainloop.pins_p_conversions. specs/ has both kinds (vit: d64
+    without a mask rescales every tile)."""
+    kinds = set()
+    for name, result in artifacts.items():
+        ptx = (result.entry.path / "kernel.ptx").read_text()
+        blocks = re.findall(r"// begin inline asm\n(.*?)// end inline asm", ptx, re.S)
+        pinned = sum(1 for block in blocks if re.search(r"cvt\.rn\.(?:bf16|f16)x2\.f32", block))
+        threshold = result.plan.rescale_threshold > 0.0
+        assert (pinned > 0) == threshold, f"{name}: {pinned} pinned conversions, rescale threshold {threshold}"
+        kinds.add(threshold)
+    assert kinds == {True, False}
+
+
 def test_sass_has_hgmma_and_no_spills(artifacts):
     tool = _nvdisasm()
     if tool is None:
