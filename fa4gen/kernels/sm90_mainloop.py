@@ -304,8 +304,10 @@ class Sm90MainLoop:
 
     def pins_p_conversions(self) -> bool:
         """Whether P's conversions are pinned above the branches (store_p): with a rescale
-        threshold. Rescaling every tile, plain conversions after the V release measured 1.015x
-        the pinned ones at d64 (S=512-16384, both orders on the H200; pinned: 1.00x)."""
+        threshold. Without one there is no rescale branch to keep them above, and at d64 (the
+        plans that rescale every tile) plain conversions after the V release measured
+        1.006-1.038x the threshold's kernel on the H200, pinned ones 0.99-1.01x
+        (benchmarks/results/2026-12-01-zx, -zw)."""
         return self.softmax.rescale_threshold > 0.0
 
     # ------------------------------------------------------------------ one key tile
