@@ -152,6 +152,7 @@ EXP2_POLY_PERIOD_SOFTCAP = 0
 # (fa4gen.kernels.scheduler; 2 rounds of singles leave room to even out the heaviest ones)
 PAIR_TAIL_ROUNDS = 2
 PAIR_TAIL_MIN_TILES = 20  # query tiles per head from which pairs end in a tail (see the reason)
+NO_PAIR_TAIL = {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0}  # plan fields of a schedule without the tail
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
@@ -611,14 +612,13 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         if _interior_first_tile_applies(spec) else None,
         ("P.V wait pin flipped", {"pinned_pv_wait": not base.pinned_pv_wait}) if base.intra_warpgroup_overlap else None,
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False}),
-        ("persistence flipped", {"persistent": not base.persistent, "pair_tail_rounds": 0, "pair_tail_min_tiles": 0}),
-        ("causal pairs in whole rounds to the end", {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0})
+        ("persistence flipped", {"persistent": not base.persistent, **NO_PAIR_TAIL}),
+        ("causal pairs in whole rounds to the end", NO_PAIR_TAIL)
         if base.pair_tail_rounds else None,
         (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
-        ("causal tiles heaviest first", {"tile_order": "heavy_first", "pair_tail_rounds": 0, "pair_tail_min_tiles": 0})
+        ("causal tiles heaviest first", {"tile_order": "heavy_first", **NO_PAIR_TAIL})
         if base.tile_order == "paired" else None,
-        ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first", "pair_tail_rounds": 0,
-                                                    "pair_tail_min_tiles": 0,
+        ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first", **NO_PAIR_TAIL,
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
         ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,

@@ -123,7 +123,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
+    from fa4gen.planner import NO_PAIR_TAIL, O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
 
     cases = {}
     for name, spec in {
@@ -143,14 +143,13 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
             if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
-            "persistent": {"persistent": not base.persistent, "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
-            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired",
-                           "pair_tail_rounds": 0, "pair_tail_min_tiles": 0},
+            "persistent": {"persistent": not base.persistent, **NO_PAIR_TAIL},
+            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired", **NO_PAIR_TAIL},
             # whole rounds of causal pairs to the end (the tail itself: pair_tail_specs)
-            "pair-tail": {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0} if base.pair_tail_rounds else None,
+            "pair-tail": NO_PAIR_TAIL if base.pair_tail_rounds else None,
             # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;
             # the last group narrower where the heads do not divide)
-            "head-groups": {"tile_order": "heavy_first", "pair_tail_rounds": 0, "pair_tail_min_tiles": 0,
+            "head-groups": {"tile_order": "heavy_first", **NO_PAIR_TAIL,
                             "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
             **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
             # O over P waits for the last store in the first key tile, traced apart per schedule

@@ -78,6 +78,15 @@ def convert_pinned(src: cute.Tensor, dst: cute.Tensor):
 
 
 @cute.jit
+def convert_p(src: cute.Tensor, dst: cute.Tensor, pinned: bool):
+    """``convert_pinned`` where ``pinned``, else ``convert_into`` (LLVM may move those)."""
+    if cutlass.const_expr(pinned):
+        convert_pinned(src, dst)
+    else:
+        convert_into(src, dst)
+
+
+@cute.jit
 def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor, pinned: bool = True):
     """Round an fp32 C fragment into ``operand``, the A-operand fragment of the next wgmma
     (``pinned``: conversions pinned where this is called, see pack_pair_pinned).
@@ -85,8 +94,4 @@ def store_as_operand_a(acc: cute.Tensor, operand: cute.Tensor, pinned: bool = Tr
     For 16-bit types the C fragment of an (M, N) product and the A fragment of an (M, K=N)
     product enumerate their registers in the same order, so conversion is element-wise.
     """
-    target = cute.make_tensor(operand.iterator, acc.layout)
-    if cutlass.const_expr(pinned):
-        convert_pinned(acc, target)
-    else:
-        convert_into(acc, target)
+    convert_p(acc, cute.make_tensor(operand.iterator, acc.layout), pinned)

@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4gen.kernels.layout import convert_into, convert_pinned, rows_cols_view, store_as_operand_a
+from fa4gen.kernels.layout import convert_p, rows_cols_view, store_as_operand_a
 
 WARPGROUP_THREADS = 128
 TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
@@ -294,10 +294,7 @@ class Sm90MainLoop:
             store_as_operand_a(acc_s, loop.p, pinned)
         else:
             p_low, stmatrix, source, target = loop.p_store
-            if cutlass.const_expr(pinned):
-                convert_pinned(acc_s, p_low)
-            else:
-                convert_into(acc_s, p_low)
+            convert_p(acc_s, p_low, pinned)
             cute.copy(stmatrix, source, target)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
