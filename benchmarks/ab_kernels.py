@@ -4,6 +4,7 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     git worktree add /tmp/base be7e649                                # any machine
     PYTHONPATH=/tmp/base python benchmarks/ab_kernels.py build .devcache/ab-old [REGEX]
     python benchmarks/ab_kernels.py build .devcache/ab-new [REGEX]
+    python benchmarks/ab_kernels.py build .devcache/ab-t176 'd128' tile_n=176     # a plan variant
     python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
     python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS [REGEX]]   # new: the kernel cache
 
@@ -11,6 +12,10 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
 (each cell's plan as the planner picks it for its length) and of the variants with structural
 masks (benchmarks/variants.py), plus the dense causal kernel the documents compare with (only
 the labels REGEX matches, if given), and copies each entry under DIR by label (DIR/index.json).
+With FIELD=VALUE arguments each plan has those Plan fields changed and is refitted to shared
+memory as ``fa4gen tune``'s candidates are (planner.sm90_variant, sm90_refit: e.g. tile_n=176
+gives up the second Q buffer and stages O over Q), so one tree measures a plan variant against
+its own plans.
 ``run`` loads the old side by path (no cache lookup, so the tree on the GPU machine need not
 match it) and the new side likewise, or with ``current`` through fa4gen.compile (the working
 tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
@@ -35,7 +40,8 @@ from fa4gen import bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import variants as V  # noqa: E402
 
-CELLS = [(dict(head_dim=64), (512, 1024, 4096, 16384)), (dict(head_dim=128), (512, 1024, 16384)),
+CELLS = [(dict(head_dim=64), (512, 1024, 4096, 16384)), (dict(head_dim=128), (512, 1024, 2048, 4096, 8192, 16384)),
+         (dict(head_dim=128, qhead_per_kvhead=4), (4096,)),
          (dict(head_dim=192, head_dim_v=128), (512, 16384)), (dict(head_dim=256), (512,)), (dict(head_dim=96), (1024, 2048, 8192, 16384)),
          (dict(head_dim=96, causal=True), (4096, 16384)), (dict(head_dim=64, causal=True), (1024, 8192, 16384)),
          (dict(head_dim=192, head_dim_v=128, causal=True), (4096, 16384)),
@@ -66,17 +72,40 @@ def _targets() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     return out + [(DENSE, _dense_spec(), fa4gen.plan(_dense_spec(), "sm_90a"))]
 
 
-def build(directory: Path, pattern: str = "") -> None:
+def _changed(plan: fa4gen.Plan, changes: dict) -> fa4gen.Plan:
+    """``plan`` with ``changes`` (Plan fields) applied and refitted to shared memory."""
+    from fa4gen import planner
+
+    if not changes:
+        return plan
+    why = ", ".join(f"{field}={value}" for field, value in changes.items())
+    changed = planner.sm90_refit(planner.sm90_variant(plan, why, **changes), why)
+    problem = planner.plan_problem(changed)
+    if problem:
+        sys.exit(f"{why}: {problem}")
+    return changed
+
+
+def _field_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build(directory: Path, pattern: str = "", changes: dict | None = None) -> None:
     index = {}
     for label, spec, plan in _targets():
         if not re.search(pattern, label):
             continue
+        plan = _changed(plan, changes or {})
         entry = fa4gen.build(spec, "sm_90a", kernel_plan=plan).entry.path
         target = directory / entry.name
         if not target.exists():
             shutil.copytree(entry, target)
         index[label] = {"entry": entry.name, "spec": spec.model_dump(mode="json")}
-        print(f"{label:45} {entry.name[:12]}", flush=True)
+        print(f"{label:45} {entry.name[:12]} tile {plan.tile_m}x{plan.tile_n}, {plan.kv_stages} K/V stages, "
+              f"{plan.q_stages} Q, O {plan.o_staging}", flush=True)
     (directory / "index.json").write_text(json.dumps(index, indent=1))
 
 
@@ -166,7 +195,8 @@ def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "build":
         directory = Path(argv[1])
         directory.mkdir(parents=True, exist_ok=True)
-        build(directory, argv[2] if len(argv) > 2 else "")
+        changes = dict(arg.split("=", 1) for arg in argv[3:])
+        build(directory, argv[2] if len(argv) > 2 else "", {k: _field_value(v) for k, v in changes.items()})
     elif len(argv) >= 3 and argv[0] == "run":
         run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8,
             argv[4] if len(argv) > 4 else "")

@@ -32,16 +32,8 @@ warm() {
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/schedule_options.py warm "" "$1"
     fi
     # the GPU machine never reads kernel.ptx (it loads kernel.so): dropping it from the entries
-    # (and from their meta.json's file list) keeps the carry under its 64 MiB limit
-    python - <<'PY'
-import json
-from pathlib import Path
-for meta_path in Path(".devcache/kernels/entries").glob("*/meta.json"):
-    meta = json.loads(meta_path.read_text())
-    if meta["meta"]["files"].pop("kernel.ptx", None) is not None:
-        (meta_path.parent / "kernel.ptx").unlink()
-        meta_path.write_text(json.dumps(meta, indent=1))
-PY
+    # keeps the carry under its 64 MiB limit
+    fa4gen --cache-dir "$CACHE" cache drop kernel.ptx
     # the GPU machine has no toolchain metadata: it reads the one that compiled the cache
     python -c "from fa4gen.toolchain import toolchain; t = toolchain(); \
 print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolchain

@@ -28,7 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 DEFAULT_ENV = "FA4GEN_CACHE_DIR"
 SIZE_LIMIT_ENV = "FA4GEN_CACHE_SIZE_LIMIT"
@@ -358,6 +358,43 @@ class KernelCache:
             with self._locked(key):
                 removed += os.path.lexists(self._entries / key) and self._remove_locked(key)
         return removed
+
+    def drop_files(self, names: Collection[str]) -> int:
+        """Remove the files ``names`` from every entry that lists them, and from its meta.json
+        (files and size): e.g. the PTX kept for inspection, to ship a smaller cache. An entry
+        keeps a file that is its last one; broken entries are left alone. Returns how many
+        entries changed. Like ``clear``, meant for a cache no process is loading from."""
+        self._ensure_dirs()
+        changed = 0
+        for entry in self.entries():
+            with self._locked(entry.key):
+                changed += self._drop_locked(entry.key, set(names))
+        return changed
+
+    def _drop_locked(self, key: str, names: set[str]) -> bool:
+        entry, _ = self._load(key, force=True)
+        if entry is None:
+            return False
+        files = entry.meta["files"]
+        gone = names.intersection(files)
+        if not gone or gone == set(files):
+            return False
+        kept = {name: digest for name, digest in files.items() if name not in gone}
+        meta = {**entry.meta, "files": kept,
+                "size": sum(os.lstat(entry.path / name).st_size for name in kept)}
+        # the new meta.json replaces the old one atomically before the files go: an
+        # interruption leaves at worst unlisted files, which lookups ignore
+        used = os.stat(entry.path)  # the directory's times record its last use (_mark_used)
+        staging = self._new_tmpdir(key)
+        try:
+            _write_json(staging / META_NAME, {"format": FORMAT_VERSION, "key": key, "meta": meta})
+            os.replace(staging / META_NAME, entry.path / META_NAME)
+        finally:
+            _rmtree(staging)
+        for name in gone:
+            os.unlink(entry.path / name)
+        os.utime(entry.path, ns=(used.st_atime_ns, used.st_mtime_ns))
+        return True
 
     def export(self, archive: Path) -> int:
         """Write every verified entry into the tar.gz `archive`; returns how many."""

@@ -35,7 +35,7 @@ import fa4gen
 from fa4gen.api import BUILD_INFO_FILE
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
-from fa4gen.compiler import CompileError
+from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
 from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec, load_spec
 
@@ -361,6 +361,23 @@ def cache_verify(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
                f"{len(report) - len(broken)} ok, {len(broken)} broken")
     if broken:
         raise typer.Exit(1)
+
+
+@cache_app.command("drop")
+def cache_drop(
+    ctx: typer.Context,
+    names: Annotated[list[str], typer.Argument(
+        help=f"Files to remove from every entry, e.g. {PTX_FILE} (kept for inspection; the loader reads "
+             f"only {LIBRARY_FILE}).")],
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Remove inspection files from the cached kernels (and from their records), to ship a smaller cache."""
+    if LIBRARY_FILE in names:
+        raise typer.BadParameter(f"{LIBRARY_FILE} is the compiled kernel that loading needs; drop others, "
+                                 f"e.g. {PTX_FILE}", param_hint="NAMES")
+    with _opened_cache(ctx, cache_dir) as cache:
+        count = cache.drop_files(names)
+    typer.echo(f"dropped {', '.join(names)} from {_entries(count)} in {cache.root}")
 
 
 @cache_app.command("export")

@@ -112,8 +112,8 @@ SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 
 
 SM90_D96_LONG = TileRow(96, 3, 144, 2, True, 0, "d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), "
                         "with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the "
-                        "H200 at S=8192 and 16384, causal and not); at S=2048 0.96-0.97x, whose last key tile is "
-                        "78% padding", p_in_registers=False)
+                        "H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is "
+                        "78% padding; 160-key tiles measured 0.98-1.01x, -s13b)", p_in_registers=False)
 
 SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query rows: 64-key tiles measured 1.01-1.06x "
                           "the 80-key ones (order-balanced A/B on the H200, S=512 and 1024, causal and not): 512 keys "
@@ -134,7 +134,9 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
             "run 144-key tiles)", p_in_registers=False,
             short=ShortRow(1024, SM90_D96_SHORT), long=LongRow(4096, SM90_D96_LONG)),
-    TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers"),
+    TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers "
+            "(160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at "
+            "S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
             "64 on the H200); Q + 2 stages = 224 KB", short=ShortRow(1024, SM90_D256_SHORT)),

@@ -427,6 +427,40 @@ def test_verify_reports_every_entry(root):
     assert entry.path.exists()  # verify only reports
 
 
+def test_drop_files_rewrites_the_records_and_keeps_entries_loadable(root):
+    cache = KernelCache(root)
+    keys = [key_of("drop-a"), key_of("drop-b")]
+    for key in keys:
+        cache.get_or_build(key, META, FakeBuild())
+    broken, _ = cache.get_or_build(key_of("drop-broken"), META, FakeBuild())
+    truncate(broken)
+    before = {e.key: e for e in cache.entries()}
+    assert cache.drop_files({"kernel.py", "sub/plan.json", "absent.txt"}) == 2
+    for key in keys:
+        entry = cache.lookup(key)
+        assert entry is not None and set(entry.meta["files"]) == {"kernel.so", "spec.yaml"}
+        assert entry.meta["size"] == sum(entry.file(n).stat().st_size for n in entry.meta["files"])
+        assert not (entry.path / "kernel.py").exists() and not (entry.path / "sub" / "plan.json").exists()
+        assert entry.meta["created"] == before[key].meta["created"]
+        assert entry.meta["spec"] == META["spec"]
+    assert dict(cache.verify())[keys[0]] is None
+    assert "kernel.py" in broken.meta["files"] and (broken.path / "kernel.py").exists()  # left alone
+    assert listing(root / "tmp") == []
+    assert cache.drop_files({"kernel.py"}) == 0  # nothing left to drop
+
+
+def test_drop_files_keeps_an_entrys_last_file_and_its_last_use(root):
+    cache = KernelCache(root)
+    key = key_of("drop-last")
+    cache.get_or_build(key, META, FakeBuild())
+    used = next(e for e in cache.entries() if e.key == key).meta["last_use"]
+    time.sleep(0.02)
+    every = {"kernel.so", "kernel.py", "spec.yaml", "sub/plan.json"}
+    assert cache.drop_files(every) == 0  # an entry with no file would be no entry
+    assert cache.drop_files({"spec.yaml"}) == 1
+    assert next(e for e in cache.entries() if e.key == key).meta["last_use"] == used
+
+
 # --------------------------------------------------------------------------- disk full
 def test_enospc_in_build_is_cache_full_and_leaves_nothing(root):
     cache = KernelCache(root)

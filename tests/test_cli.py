@@ -321,6 +321,25 @@ def test_broken_entry_is_reported_as_a_warning_not_loaded(built: Built, cache_co
     assert error.startswith("error: no cached kernel") and "fa4gen warm" in error
 
 
+def test_cache_drop_refuses_the_kernel_library(tmp_path: Path) -> None:
+    result = run("cache", "drop", "kernel.ptx", "kernel.so", "--cache-dir", tmp_path)
+    assert result.exit_code == 2
+    assert "kernel.so is the compiled kernel that loading needs" in result.output
+
+
+@pytest.mark.slow
+def test_cache_drop_ptx_leaves_a_loadable_entry(built: Built, cache_copy: Path) -> None:
+    entry = cache_copy / "entries" / built.key
+    assert (entry / "kernel.ptx").exists()
+    result = run("cache", "drop", "kernel.ptx", "--cache-dir", cache_copy)
+    assert result.exit_code == 0 and result.stdout.startswith("dropped kernel.ptx from 1 entry"), result.output
+    assert not (entry / "kernel.ptx").exists()
+    assert "kernel.ptx" not in json.loads((entry / "meta.json").read_text())["meta"]["files"]
+    assert "1 ok, 0 broken" in run("cache", "verify", "--cache-dir", cache_copy).stdout
+    result = run("compile", built.spec_file, "--no-compile", "--cache-dir", cache_copy)
+    assert result.exit_code == 0 and "cache hit" in result.stdout, result.output
+
+
 @pytest.mark.slow
 def test_clear_filters_by_arch_and_age(built: Built, cache_copy: Path) -> None:
     for option, value in (("--arch", "sm_100a"), ("--older-than", "7d")):

@@ -11,10 +11,10 @@
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     192        3 consumer warpgroups x 64 rows each
-#     tile_n                     144        d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not); at S=2048 0.96-0.97x, whose last key tile is 78% padding
-#     kv_stages                  2          d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not); at S=2048 0.96-0.97x, whose last key tile is 78% padding
+#     tile_n                     144        d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is 78% padding; 160-key tiles measured 0.98-1.01x, -s13b)
+#     kv_stages                  2          d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is 78% padding; 160-key tiles measured 0.98-1.01x, -s13b)
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
-#     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not); at S=2048 0.96-0.97x, whose last key tile is 78% padding
+#     num_consumer_warpgroups    3          3 MMA warpgroups share each K/V tile: d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is 78% padding; 160-key tiles measured 0.98-1.01x, -s13b)
 #     producer_regs              32         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              160        3x128 threads x 160 + 128 x 32 = 65536 <= 65536 registers (the CTA's pool at launch)
 #     head_dim_padded            96         wgmma K granule is 16; TMA zero-fills the padding

@@ -16,10 +16,10 @@
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
-#     tile_n                     128        d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
-#     kv_stages                  2          d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
+#     tile_n                     128        d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
+#     kv_stages                  2          d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
-#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers
+#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            128        wgmma K granule is 16; TMA zero-fills the padding
