@@ -52,6 +52,7 @@ class Plan(BaseModel):
     l2_group_bytes: int  # heaviest-first order: heads go in groups whose K/V fits this (0: no groups)
     head_interleave: int  # head-major order: query tiles of this many heads interleaved (1: one head after another)
     rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
+    chain_query_tiles: bool  # a query tile's last P.V issued with the next tile's first Q.K^T
     o_staging: Literal["own", "over_p", "over_q"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
@@ -82,6 +83,9 @@ class TileRow:
     # specs without a mask that keep the row's warpgroups rescale O every tile (threshold 0),
     # for this measured reason; None: the threshold everywhere
     unmasked_rescale_every_tile: str | None = None
+    # specs without a mask or score modifier that keep the row's warpgroups and O's own buffer
+    # chain their query tiles (Plan.chain_query_tiles), for this measured reason; None: they do not
+    unmasked_chain: str | None = None
     # launches whose longest query sequence is short (or long) run another row, chosen per
     # call (all compile together: a tile is a compile-time shape)
     short: ShortRow | None = None
@@ -136,7 +140,12 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             short=ShortRow(1024, SM90_D96_SHORT), long=LongRow(4096, SM90_D96_LONG)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers "
             "(160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at "
-            "S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)"),
+            "S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)",
+            unmasked_chain="d128 without a mask: each query tile's last P.V is issued with the next tile's first "
+            "Q.K^T and its epilogue runs during that tile's first softmax (fa4gen.kernels.sm90_chain): geometric "
+            "means of 6 order-alternating A/Bs per cell on the H200, 1.020x at S=1024, 1.003-1.007x at S=2048-16384 "
+            "and GQA 4, 0.995x at S=512 (2026-12-01-s13c); causal d128 measured 0.98-1.00x, d96 and causal d64 on "
+            "128-row tiles 0.93-0.96x, and they keep it off"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
     TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
             "64 on the H200); Q + 2 stages = 224 KB", short=ShortRow(1024, SM90_D256_SHORT)),
@@ -329,12 +338,14 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # a row that sends P through smem for its register budget keeps P in registers once the
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
-    every_tile = (row.unmasked_rescale_every_tile if not spec.has_mask and warpgroups == row.consumer_warpgroups
-                  else None)
+    keeps_row = not spec.has_mask and warpgroups == row.consumer_warpgroups  # the row's measured shape, no mask
+    every_tile = row.unmasked_rescale_every_tile if keeps_row else None
     tile_m = WARPGROUP_MMA_M * warpgroups
     tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
+    plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
+    chain = row.unmasked_chain if plain else None
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -346,13 +357,15 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         pinned_pv_wait=False, persistent=True,
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
         pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
-        l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, o_staging=o_staging,
+        l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
+        o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
            **({"rescale_threshold": every_tile} if every_tile else {}),
+           **({"chain_query_tiles": chain} if chain else {}),
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
     planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
     assert not plan_problem(planned), plan_problem(planned)
@@ -464,6 +477,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "of one head read different K/V tiles at a time" if f["rotate_key_tiles"] else "key tiles from the "
         "highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the "
         "rotated order, a tuning candidate, measured 0.87-1.02x on the H200)",
+        "chain_query_tiles": "each query tile's last P.V goes with the next tile's first Q.K^T (a tuning candidate)"
+        if f["chain_query_tiles"] else "each query tile ends with its own last P.V and epilogue; chaining them "
+        "into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where "
+        f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
         "o_staging": {
@@ -564,9 +581,16 @@ def plan_smem_bytes(p: Plan) -> int:
                            p.o_staging, p.q_stages, not p.p_in_registers)
 
 
+CHAIN_NEEDS = "the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer"
+
+
 def plan_problem(p: Plan) -> str:
-    """Why the GPU cannot run ``p`` at all ("" when it can): shared memory over the limit, or a
-    register split over the CTA's pool (setmaxnreg.inc would wait forever)."""
+    """Why the GPU cannot run ``p`` at all ("" when it can): shared memory over the limit, a
+    register split over the CTA's pool (setmaxnreg.inc would wait forever), or chained query
+    tiles without what they need (the kernel's constructor refuses them)."""
+    if p.chain_query_tiles and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
+                                    and p.o_staging == "own"):
+        return f"chain_query_tiles needs {CHAIN_NEEDS}"
     limit = Arch.SM90A.caps.smem_bytes_per_cta
     if plan_smem_bytes(p) > limit:
         return f"its buffers take {plan_smem_bytes(p)} bytes of shared memory, over the {limit} available"
@@ -624,6 +648,8 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
         ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
+        ("query tiles chained" if not base.chain_query_tiles else "query tiles unchained",
+         {"chain_query_tiles": not base.chain_query_tiles}),
         ("query tiles of 2 heads interleaved", {"head_interleave": 2}) if base.tile_order == "head_major" else None,
         ("documents' query tiles in ranked pairs", {"tile_order": "paired", "pair_tail_rounds": PAIR_TAIL_ROUNDS,
                                                     "pair_tail_min_tiles": PAIR_TAIL_MIN_TILES})

@@ -49,6 +49,8 @@ def variant_specs() -> dict[str, AttentionSpec]:
                                                               "or kv_idx == 0"}, return_lse=True),
         # d256: short launches run 64-key tiles, long ones the table's 80-key tiles
         "d256-causal-gqa2+lse": AttentionSpec(head_dim=256, causal=True, qhead_per_kvhead=2, return_lse=True),
+        # d128 without a mask chains its query tiles (Plan.chain_query_tiles): no spec in specs/ is one
+        "dense-gqa2+lse": AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True),
         "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
                                         return_lse=True),
         "empty-rows-sinks+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
@@ -163,6 +165,9 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
             "tile-n": {"tile_n": base.tile_n + 16},
             "rotated-keys": {"rotate_key_tiles": True} if not spec.has_mask else None,
+            # chained query tiles where the kernel allows them (held tiles meet causal tiles
+            # without keys at Sq > Sk, and the CTA's last tile)
+            "chain": {"chain_query_tiles": not base.chain_query_tiles},
             # query tiles of 3 heads alternate (the last group narrower where heads do not divide)
             "head-interleave": {"head_interleave": 3} if base.tile_order == "head_major" else None,
         }

@@ -236,6 +236,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "l2_group_bytes": kernel_plan.l2_group_bytes,
         "head_interleave": kernel_plan.head_interleave,
         "rotate_key_tiles": kernel_plan.rotate_key_tiles,
+        "chain_query_tiles": kernel_plan.chain_query_tiles,
         "o_staging": kernel_plan.o_staging,
         "exp2_poly_period": kernel_plan.exp2_poly_period,
         "rescale_threshold": kernel_plan.rescale_threshold,

@@ -330,6 +330,35 @@ def test_unmasked_d64_rescales_every_tile_where_measured():
     assert any(p.rescale_threshold == 0.0 for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
 
 
+def test_d128_without_a_mask_chains_its_query_tiles_where_measured():
+    """Chained query tiles (Plan.chain_query_tiles) measured faster only at d128 without a mask;
+    masked, score-modified and other head dims keep them off, and say why."""
+    for chained in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=128, qhead_per_kvhead=8),
+                    AttentionSpec(head_dim=128, head_dim_v=64)):
+        p = plan(chained, "sm_90a")
+        assert p.chain_query_tiles and "d128 without a mask" in p.reasons["chain_query_tiles"], chained.summary()
+        assert not plan_problem(p)
+    for kept in (AttentionSpec(head_dim=128, causal=True), AttentionSpec(head_dim=128, window_left=256),
+                 AttentionSpec(head_dim=128, softcap=50.0), AttentionSpec(head_dim=128, score_mod={"kind": "alibi"}),
+                 AttentionSpec(head_dim=64), AttentionSpec(head_dim=96), AttentionSpec(head_dim=192, head_dim_v=128),
+                 AttentionSpec(head_dim=256)):
+        p = plan(kept, "sm_90a")
+        assert not p.chain_query_tiles and "chaining them" in p.reasons["chain_query_tiles"], kept.summary()
+    # tuning tries the other choice where the kernel allows it
+    assert any(p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
+    assert any(not p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+    assert not any(p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=256), "sm_90a"))
+
+
+@pytest.mark.parametrize("update", [{"num_consumer_warpgroups": 3, "tile_m": 192}, {"o_staging": "over_q", "q_stages": 1},
+                                    {"intra_warpgroup_overlap": False, "pingpong": False}])
+def test_chained_query_tiles_need_their_kernel_shape(update):
+    base = plan(AttentionSpec(head_dim=128), "sm_90a")
+    assert base.chain_query_tiles and not plan_problem(base)
+    problem = plan_problem(base.model_copy(update=update))
+    assert problem.startswith("chain_query_tiles needs") and "O in its own buffer" in problem
+
+
 def test_tuning_candidates_vary_the_exponential_split():
     found = candidates(AttentionSpec(head_dim=64), "sm_90a")
     periods = {p.exp2_poly_period for p in found}

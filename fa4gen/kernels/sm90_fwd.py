@@ -38,6 +38,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from fa4gen.kernels.layout import convert_into, rows_cols_view
 from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
+from fa4gen.kernels.sm90_chain import Sm90TileChain
 from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
@@ -53,7 +54,7 @@ class TileInfo:
         self.__dict__.update(fields)
 
 
-class HopperAttentionForward(Sm90MainLoop):
+class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
     """One compiled forward kernel. Constructor arguments are all compile-time constants."""
 
     def __init__(
@@ -99,6 +100,7 @@ class HopperAttentionForward(Sm90MainLoop):
         l2_group_bytes: int = 0,
         head_interleave: int = 1,
         rotate_key_tiles: bool = False,
+        chain_query_tiles: bool = False,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -167,6 +169,10 @@ class HopperAttentionForward(Sm90MainLoop):
         assert not self.o_over_q or q_stages == 1, "O staged over Q needs a single Q buffer"
         assert not self.o_over_p or (not p_in_registers and head_dim_v_padded <= tile_n), \
             "O staged over P needs P in shared memory and dv <= tile_n"
+        # a query tile's last P.V issued with the next tile's first Q.K^T (sm90_chain.py)
+        self.chain = chain_query_tiles
+        assert not self.chain or (self.overlap and o_staging == "own" and not self.skips_masked_tiles), \
+            "chained query tiles need the overlapped schedule, O in its own buffer and no skipped key tiles"
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -481,18 +487,23 @@ class HopperAttentionForward(Sm90MainLoop):
         return kv_state, q_state
 
     @cute.jit
-    def make_loop_state(self, sQ, sK, sV, sP, pipes, wg: Int32, wtidx: Int32, sizes) -> MainLoopState:
+    def make_loop_state(self, sQ, sK, sV, sP, pipes, wg: Int32, wtidx: Int32, sizes, held=None) -> MainLoopState:
         """Fragments and MMAs of one consumer warpgroup (built inside the tile loop: a Python
-        holder cannot be carried by a staged loop, and the partitions cost nothing at run time)."""
+        holder cannot be carried by a staged loop, and the partitions cost nothing at run time;
+        ``held``: chained query tiles keep O and P across tiles, in tensors made before it)."""
         _, pipe_k, pipe_v = pipes
         qk_mma, pv_mma = self._make_qk_mma(), self._make_pv_mma()
         thr_qk, thr_pv = qk_mma.get_slice(wtidx), pv_mma.get_slice(wtidx)
         row_max, row_sum = self.softmax.make_state()
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
-        acc_o.fill(0.0)
+        if cutlass.const_expr(held is not None):
+            acc_o = held.acc_o  # zero, or the held tile's O until the next tile's first step writes it out
+        else:
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
+            acc_o.fill(0.0)
         p_store = None  # P through smem: (16-bit P in the S layout, stmatrix copy, its smem targets)
         if cutlass.const_expr(self.p_in_registers):
-            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
+            p = held.p if cutlass.const_expr(held is not None) else cute.make_rmem_tensor(
+                thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
         else:
             p = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
             stmatrix = cute.make_tiled_copy_C(
@@ -512,7 +523,7 @@ class HopperAttentionForward(Sm90MainLoop):
             coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
             p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
-            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg, wtidx=wtidx,
+            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg, wtidx=wtidx, args=sizes.args, held=held,
         )
 
     @cute.jit
@@ -524,6 +535,9 @@ class HopperAttentionForward(Sm90MainLoop):
         if cutlass.const_expr(self.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
+        held = None  # chained query tiles: O, P and the held tile's state, kept across tiles
+        if cutlass.const_expr(self.chain):
+            held = self.make_held(self._make_pv_mma().get_slice(wtidx), sO, tma_o, mO, mLSE)
         grid = sizes.grid
         items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
         for item in cutlass.range(items, unroll=1):
@@ -531,17 +545,24 @@ class HopperAttentionForward(Sm90MainLoop):
                                           grid, sizes.pairs)
             if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs):
                 q_state, k_state, v_state = self.consume_tile(
-                    sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state
+                    sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state,
+                    held
                 )
+        if cutlass.const_expr(self.chain):
+            if held.pending[0] != 0:  # the CTA's last tile ends alone
+                loop = self.make_loop_state(sQ[None, None, wg], sK, sV, sP, pipes, wg, wtidx, sizes, held)
+                v_state = self.flush_held(loop, v_state)
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store reads shared memory
 
     @cute.jit
     def consume_tile(self, sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
-                     q_state, k_state, v_state):
+                     q_state, k_state, v_state, held):
+        """One query tile: main loop, then the epilogue (chained: the epilogue of the tile held
+        before it runs within its first step, and its own waits for the next tile's)."""
         pipe_q = pipes[0]
         loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, sP, pipes,
-                                    wg, wtidx, sizes)
+                                    wg, wtidx, sizes, held)
         pipe_q.consumer_wait(q_state)  # this tile's Q, and its info from the producer
         t = self.received_tile(sTiles, q_state.index)
         t.row_base = t.m_block * self.tile_m + wg * 64
@@ -551,22 +572,37 @@ class HopperAttentionForward(Sm90MainLoop):
         loop.row_start, loop.row_end = self.key_tiles.row_ranges(
             rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args, document
         )
-        loop.args = sizes.args
         loop.batch, loop.head = t.batch, t.head
         # the highest key tiles may be masked for every row of this warpgroup (the diagonal of a
         # 192-row tile, rows past Sq): the main loop passes them by without MMAs
         if cutlass.const_expr(self.skips_masked_tiles):
             end = self.key_tiles.rows_tile_end(t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args)
             t.skip = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
+        if cutlass.const_expr(self.chain):
+            if t.n_count == 0 and held.pending[0] != 0:  # no first Q.K^T to go with: the held tile ends alone
+                v_state = self.flush_held(loop, v_state)
         if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
         if cutlass.const_expr(not self.o_over_q):
             pipe_q.consumer_release(q_state)
-        self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
+        if cutlass.const_expr(self.chain):
+            if t.n_count > 0:
+                self.hold_tile(loop, t)
+            else:
+                self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
+        else:
+            self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
         if cutlass.const_expr(self.o_over_q):
             pipe_q.consumer_release(q_state)
         q_state.advance()
         return q_state, k_state, v_state
+
+    @cute.jit
+    def held_tile_info(self, held, wg: Int32):
+        """The position of the tile a chained warpgroup holds (sm90_chain.hold_tile)."""
+        t = TileInfo(m_block=held.where[0], head=held.where[1], batch=held.where[2])
+        t.row_base = t.m_block * self.tile_m + wg * 64
+        return t
 
     @cute.jit
     def stage_o(self, loop, sO: cute.Tensor):

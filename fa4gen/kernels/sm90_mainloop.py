@@ -52,7 +52,7 @@ class MainLoopState:
 
 class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers,
+    pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers, chain,
     skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod,
     mask_mod, key_tiles, softmax, key_block() and await_o_store()."""
 
@@ -84,13 +84,14 @@ class Sm90MainLoop:
     def visible_tiles(self, loop, tile, start, k_state, v_state):
         """Visited key tiles start .. n_count-1 (start: 0, or the warpgroup's skipped count)."""
         first = self.key_block(tile, start, loop.args)
-        # the first tile in the form its bounds need, each form traced apart (no branch inside)
-        if cutlass.const_expr(self.key_tiles.starts_at_zero):
-            k_state = self.first_past_starts(loop, tile, first, k_state)
-        elif first < tile.split_lo:
-            k_state = self.first_tile_as(loop, tile, first, k_state, True, True)
+        if cutlass.const_expr(self.chain):
+            # the previous query tile's last P.V, held back, goes with this tile's first Q.K^T
+            if loop.held.pending[0] != 0:
+                k_state, v_state = self.first_tile_of(loop, tile, first, k_state, v_state, True)
+            else:
+                k_state, v_state = self.first_tile_of(loop, tile, first, k_state, v_state, False)
         else:
-            k_state = self.first_past_starts(loop, tile, first, k_state)
+            k_state, v_state = self.first_tile_of(loop, tile, first, k_state, v_state, False)
         if cutlass.const_expr(self.mask_runs):
             # key tiles go from the highest down: those crossing the right bound, the interior,
             # those crossing the left bound; each run is its own loop, traced with or without
@@ -106,35 +107,51 @@ class Sm90MainLoop:
                                                      check_start=True)
         else:
             k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
-        if cutlass.const_expr(self.overlap):
+        if cutlass.const_expr(self.overlap and not self.chain):
             v_state = self.pv_product(loop, v_state)
-        else:
+        elif cutlass.const_expr(not self.overlap):
             v_state = k_state.clone()
+        # (chained: the last P.V waits for the next query tile's first Q.K^T, or the flush)
         return k_state, v_state
 
     @cute.jit
-    def first_past_starts(self, loop, tile, n_block: Int32, k_state):
+    def first_tile_of(self, loop, tile, first: Int32, k_state, v_state, chained: bool):
+        """The first key tile in the form its bounds need, each form traced apart (no branch
+        inside); ``chained``: issued with the held query tile's last P.V (sm90_chain.py)."""
+        if cutlass.const_expr(self.key_tiles.starts_at_zero):
+            k_state, v_state = self.first_past_starts(loop, tile, first, k_state, v_state, chained)
+        elif first < tile.split_lo:
+            k_state, v_state = self.first_tile_as(loop, tile, first, k_state, v_state, True, True, chained)
+        else:
+            k_state, v_state = self.first_past_starts(loop, tile, first, k_state, v_state, chained)
+        return k_state, v_state
+
+    @cute.jit
+    def first_past_starts(self, loop, tile, n_block: Int32, k_state, v_state, chained: bool):
         """The first key tile where it lies at or past every row's start: masked by the rows'
         ends, or not at all where it lies below split_hi (an interior tile)."""
         if cutlass.const_expr(self.interior_first_tile):
             if n_block < tile.split_hi:
-                k_state = self.first_tile_as(loop, tile, n_block, k_state, False, False)
+                k_state, v_state = self.first_tile_as(loop, tile, n_block, k_state, v_state, False, False, chained)
             else:
-                k_state = self.first_tile_as(loop, tile, n_block, k_state, True, False)
+                k_state, v_state = self.first_tile_as(loop, tile, n_block, k_state, v_state, True, False, chained)
         else:
-            k_state = self.first_tile_as(loop, tile, n_block, k_state, True, False)
-        return k_state
+            k_state, v_state = self.first_tile_as(loop, tile, n_block, k_state, v_state, True, False, chained)
+        return k_state, v_state
 
     @cute.jit
-    def first_tile_as(self, loop, tile, n_block: Int32, k_state, masked: bool, check_start: bool):
+    def first_tile_as(self, loop, tile, n_block: Int32, k_state, v_state, masked: bool, check_start: bool,
+                      chained: bool):
         """A query tile's first key tile, ``masked`` or not (``check_start``: whether the mask
         compares the rows' starts, see masking.bounds_of_rows)."""
-        if cutlass.const_expr(self.overlap):
+        if cutlass.const_expr(chained):
+            k_state, v_state = self.chained_first_tile(loop, tile, n_block, k_state, v_state, masked, check_start)
+        elif cutlass.const_expr(self.overlap):
             k_state = self.first_tile(loop, tile, n_block, k_state, masked, check_start)
         else:
             self.await_o_store(loop.warpgroup)  # O staged over P: the last store has read P's tile
             k_state = self.serial_tile(loop, tile, n_block, k_state, masked, check_start)
-        return k_state
+        return k_state, v_state
 
     @cute.jit
     def mask_run_bounds(self, tile, start: Int32):

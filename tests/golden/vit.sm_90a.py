@@ -33,6 +33,7 @@
 #     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
 #     head_interleave            1          the head-major order finishes one head's query tiles before the next head's (2 heads interleaved, a tuning candidate, measured 0.95-1.04x per cell, 0.998x over 15 non-causal cells at S=2048-16384 on the H200)
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
+#     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          0.0        d64 without a mask: O rescaled every tile, with no branch to skip it, so P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, 2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim 0.91-1.01x (-zw)
@@ -93,6 +94,7 @@ def make_kernel() -> HopperAttentionForward:
         l2_group_bytes=0,
         head_interleave=1,
         rotate_key_tiles=False,
+        chain_query_tiles=False,
         o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=0.0,
