@@ -37,9 +37,9 @@ class HeldTile(MainLoopState):
 
 
 class Sm90TileChain:
-    """Mixin for the Hopper forward kernel: needs epilogue(), pv_product(), issue_qk(),
-    issue_pv(), scores_to_probs(), store_p(), wait_turn(), pass_turn(), softmax, dv, tile_n,
-    tile_m, dtype and p_in_registers."""
+    """Mixin for the Hopper forward kernel: needs epilogue(), held_tile_info(), pv_product(),
+    issue_qk_with_pv(), scores_to_probs(), store_p(), softmax, dv, tile_n, dtype and
+    p_in_registers."""
 
     @cute.jit
     def make_held(self, thr_pv, sO, tma_o, mO, mLSE):
@@ -92,14 +92,7 @@ class Sm90TileChain:
         softmax runs while the tensor cores do both, then P becomes the next A operand and the
         held tile's O is written out."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
-        loop.pipe_k.consumer_wait(k_state)
-        loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup)
-        warpgroup.fence()
-        self.issue_qk(loop, acc_s, k_state.index)
-        self.issue_pv(loop, v_state.index)
-        self.pass_turn(loop.warpgroup)
-        warpgroup.wait_group(1)
+        self.issue_qk_with_pv(loop, acc_s, k_state, v_state)  # the held P as the A operand
         loop.pipe_k.consumer_release(k_state)
         # the new tile's O starts at zero: the correction is not needed
         self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)

@@ -366,14 +366,7 @@ class Sm90MainLoop:
         """Issue S(n) = Q.K^T and O += P(n+1).V(n+1) together; the softmax of S(n) runs while
         the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
-        loop.pipe_k.consumer_wait(k_state)
-        loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup)
-        warpgroup.fence()
-        self.issue_qk(loop, acc_s, k_state.index)
-        self.issue_pv(loop, v_state.index)
-        self.pass_turn(loop.warpgroup)
-        warpgroup.wait_group(1)
+        self.issue_qk_with_pv(loop, acc_s, k_state, v_state)
         if cutlass.const_expr(not self.pinned_pv_wait):
             loop.pipe_k.consumer_release(k_state)
         correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
@@ -389,6 +382,19 @@ class Sm90MainLoop:
         k_state.advance()
         v_state.advance()
         return k_state, v_state
+
+    @cute.jit
+    def issue_qk_with_pv(self, loop, acc_s: cute.Tensor, k_state, v_state):
+        """S = Q.K^T into ``acc_s`` and O += P.V (the P in registers or smem now) in one turn,
+        once their K and V stages are loaded; returns when S is done (P.V may still run)."""
+        loop.pipe_k.consumer_wait(k_state)
+        loop.pipe_v.consumer_wait(v_state)
+        self.wait_turn(loop.warpgroup)
+        warpgroup.fence()
+        self.issue_qk(loop, acc_s, k_state.index)
+        self.issue_pv(loop, v_state.index)
+        self.pass_turn(loop.warpgroup)
+        warpgroup.wait_group(1)
 
     @cute.jit
     def release_after(self, pipe, state, row_sum: cute.Tensor):
