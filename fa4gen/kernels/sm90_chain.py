@@ -37,18 +37,13 @@ class HeldTile(MainLoopState):
 
 
 class Sm90TileChain:
-    """Mixin for the Hopper forward kernel: needs epilogue(), held_tile_info(), pv_product(),
-    issue_qk_with_pv(), scores_to_probs(), store_p(), softmax, dv, tile_n, dtype and
-    p_in_registers."""
+    """Mixin for the Hopper forward kernel: needs make_o_and_p(), epilogue(), held_tile_info(),
+    pv_product(), issue_qk_with_pv(), scores_to_probs(), store_p() and softmax."""
 
     @cute.jit
     def make_held(self, thr_pv, sO, tma_o, mO, mLSE):
         """O (zero) and P for every tile of this warpgroup, and room for a held tile's state."""
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
-        acc_o.fill(0.0)
-        p = None
-        if cutlass.const_expr(self.p_in_registers):
-            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
+        acc_o, p = self.make_o_and_p(thr_pv)
         row_max, row_sum = self.softmax.make_state()
         where = cute.make_rmem_tensor(cute.make_layout(3), Int32)  # m_block, head, batch
         pending = cute.make_rmem_tensor(cute.make_layout(1), Int32)

@@ -487,6 +487,17 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         return kv_state, q_state
 
     @cute.jit
+    def make_o_and_p(self, thr_pv):
+        """This warpgroup's O accumulator (zero) and, where P stays in registers, P's A-operand
+        fragment (None where P goes through shared memory)."""
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
+        acc_o.fill(0.0)
+        p = None
+        if cutlass.const_expr(self.p_in_registers):
+            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
+        return acc_o, p
+
+    @cute.jit
     def make_loop_state(self, sQ, sK, sV, sP, pipes, wg: Int32, wtidx: Int32, sizes, held=None) -> MainLoopState:
         """Fragments and MMAs of one consumer warpgroup (built inside the tile loop: a Python
         holder cannot be carried by a staged loop, and the partitions cost nothing at run time;
@@ -496,15 +507,11 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         thr_qk, thr_pv = qk_mma.get_slice(wtidx), pv_mma.get_slice(wtidx)
         row_max, row_sum = self.softmax.make_state()
         if cutlass.const_expr(held is not None):
-            acc_o = held.acc_o  # zero, or the held tile's O until the next tile's first step writes it out
+            acc_o, p = held.acc_o, held.p  # O: zero, or the held tile's until the next tile's first step
         else:
-            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
-            acc_o.fill(0.0)
+            acc_o, p = self.make_o_and_p(thr_pv)
         p_store = None  # P through smem: (16-bit P in the S layout, stmatrix copy, its smem targets)
-        if cutlass.const_expr(self.p_in_registers):
-            p = held.p if cutlass.const_expr(held is not None) else cute.make_rmem_tensor(
-                thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
-        else:
+        if cutlass.const_expr(not self.p_in_registers):
             p = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
             stmatrix = cute.make_tiled_copy_C(
                 sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), qk_mma
