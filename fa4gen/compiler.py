@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.emitter import EmittedKernel
-from fa4gen.planner import Plan
+from fa4gen.planner import Plan, split_workspace_shape
 from fa4gen.spec import AttentionSpec, dump_spec
 from fa4gen.variants import lower
 
@@ -33,9 +33,10 @@ class CompileError(RuntimeError):
     """A spec that validated did not compile: a bug in fa4gen, reported with the spec and plan."""
 
 
-def fake_arguments(spec: AttentionSpec) -> list[Any]:
-    """Stand-ins for (q, k, v, o, lse, num_ctas, *extras, stream): symbolic B, S, H and aux sizes;
-    static head dims. The extras follow fa4gen.variants.lower (one place for their order)."""
+def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
+    """Stand-ins for (q, k, v, o, lse, work, flags, num_ctas, *extras, stream): symbolic B, S, H,
+    CTA count and aux sizes; static head dims. The extras follow fa4gen.variants.lower (one place
+    for their order); the split tail's workspace, planner.split_workspace_shape."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -55,6 +56,13 @@ def fake_arguments(spec: AttentionSpec) -> list[Any]:
             stride=(cute.sym_int64(), cute.sym_int64(), 1),
             assumed_align=4,
         )
+    work = flags = None
+    workspace = split_workspace_shape(plan, 1)
+    if workspace is not None:
+        slots = cute.sym_int32()
+        work = make_fake_compact_tensor(cutlass.Float32, (slots, *workspace[1:]), stride_order=(3, 2, 1, 0),
+                                        assumed_align=16)
+        flags = make_fake_compact_tensor(cutlass.Int32, (slots, workspace[1]), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     num_ctas = cutlass.Int32(1)  # a run-time scalar: the SM count of the device it runs on
     scalar_type = {"float32": cutlass.Float32, "int32": cutlass.Int32}
@@ -67,7 +75,8 @@ def fake_arguments(spec: AttentionSpec) -> list[Any]:
                                                    assumed_align=4))
         else:
             extras.append(element(0))
-    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, num_ctas, *extras, stream]
+    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, work, flags, num_ctas,
+            *extras, stream]
 
 
 def import_source(path: Path, module_name: str):
@@ -112,7 +121,7 @@ def build_artifact(spec: AttentionSpec, plan: Plan, emitted: EmittedKernel, out_
     started = time.perf_counter()
     try:
         options = f"--gpu-arch {plan.arch} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump_dir}"
-        compiled = cute.compile(module.entry, *fake_arguments(spec), options=options)
+        compiled = cute.compile(module.entry, *fake_arguments(spec, plan), options=options)
     except Exception as exc:  # surface as one error naming the variant, never raw MLIR alone
         raise CompileError(
             f"fa4gen failed to compile a valid spec ({spec.summary()}) for {plan.arch}; "

@@ -53,6 +53,8 @@ class Plan(BaseModel):
     head_interleave: int  # head-major order: query tiles of this many heads interleaved (1: one head after another)
     rotate_key_tiles: bool  # without mask bounds: query tile m visits key tiles from m below the top
     chain_query_tiles: bool  # a query tile's last P.V issued with the next tile's first Q.K^T
+    split_tail: bool  # persistent head-major: the ragged last round's key tiles spread over every CTA
+    split_tail_min_key_tiles: int  # ... in launches whose query tiles visit at least this many key tiles
     o_staging: Literal["own", "over_p", "over_q"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
@@ -164,6 +166,16 @@ EXP2_POLY_PERIOD_SOFTCAP = 0
 PAIR_TAIL_ROUNDS = 2
 PAIR_TAIL_MIN_TILES = 20  # query tiles per head from which pairs end in a tail (see the reason)
 NO_PAIR_TAIL = {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0}  # plan fields of a schedule without the tail
+# persistent head-major launches: T query tiles on G CTAs take ceil(T / G) rounds where T / G would
+# do (2048 tiles on 132 SMs: 16 rounds for 15.5, the d128 and GQA cells of the grid)
+SPLIT_TAIL_MIN_KEY_TILES = 32
+SPLIT_TAIL_REASON = (
+    "the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between "
+    "two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles "
+    "on 132 SMs take 15.5 tile-times instead of 16. Only where query tiles visit at least "
+    f"{SPLIT_TAIL_MIN_KEY_TILES} key tiles: against whole tiles on the H200 (both orders, 2026-12-01-s14a) it "
+    "measured 1.02-1.04x at d128 S=4096-16384 and 1.03x at d64 S=4096, but 0.94-0.99x with 8-16 key tiles and "
+    "0.77x at d256 S=512, whose runs pay more for their extra prologues and epilogues than the ragged round costs")
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
@@ -346,6 +358,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
     chain = row.unmasked_chain if plain else None
+    split_tail = tile_order == "head_major" and not spec.has_mask
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -358,6 +371,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
         pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
+        split_tail=split_tail, split_tail_min_key_tiles=SPLIT_TAIL_MIN_KEY_TILES if split_tail else 0,
         o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
@@ -481,6 +495,10 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         if f["chain_query_tiles"] else "each query tile ends with its own last P.V and epilogue; chaining them "
         "into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where "
         f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask",
+        "split_tail": SPLIT_TAIL_REASON if f["split_tail"] else f"not {SPLIT_NEEDS}: whole tiles to the end"
+        if not (f["tile_order"] == "head_major" and not f["skip_masked_tiles"] and f["persistent"]) else
+        "whole tiles to the end (a tuning candidate)",
+        "split_tail_min_key_tiles": "see split_tail" if f["split_tail"] else "no split tail",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
         "o_staging": {
@@ -575,6 +593,16 @@ TUNE_EXP2_POLY_PERIODS = (0, 2, 3, 4, 8)  # share of exponentials on the FMA uni
 REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state and the pipeline
 
 
+def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] | None:
+    """The split tail's fp32 workspace (fa4gen.kernels.sm90_split): per CTA and consumer
+    warpgroup, each thread's O fragment (64 x dv / 128 words) and its 2 rows' maxima and sums,
+    thread fastest; its int32 flags are the first two modes. None without a split tail."""
+    if not p.split_tail:
+        return None
+    return (num_ctas, p.num_consumer_warpgroups, WARPGROUP_MMA_M * p.head_dim_v_padded // WARPGROUP_THREADS + 4,
+            WARPGROUP_THREADS)
+
+
 def plan_smem_bytes(p: Plan) -> int:
     """The shared memory a plan's buffers take."""
     return sm90_smem_bytes(p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2,
@@ -582,15 +610,20 @@ def plan_smem_bytes(p: Plan) -> int:
 
 
 CHAIN_NEEDS = "the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer"
+SPLIT_NEEDS = "a persistent head-major launch without a mask or rotated key tiles"
+NO_SPLIT_TAIL = {"split_tail": False, "split_tail_min_key_tiles": 0}  # plan fields of whole tiles only
 
 
 def plan_problem(p: Plan) -> str:
     """Why the GPU cannot run ``p`` at all ("" when it can): shared memory over the limit, a
     register split over the CTA's pool (setmaxnreg.inc would wait forever), or chained query
-    tiles without what they need (the kernel's constructor refuses them)."""
+    tiles or a split tail without what they need (the kernel's constructor refuses them)."""
     if p.chain_query_tiles and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
                                     and p.o_staging == "own"):
         return f"chain_query_tiles needs {CHAIN_NEEDS}"
+    if p.split_tail and not (p.persistent and p.tile_order == "head_major" and not p.skip_masked_tiles
+                             and not p.rotate_key_tiles):
+        return f"split_tail needs {SPLIT_NEEDS}"
     limit = Arch.SM90A.caps.smem_bytes_per_cta
     if plan_smem_bytes(p) > limit:
         return f"its buffers take {plan_smem_bytes(p)} bytes of shared memory, over the {limit} available"
@@ -638,7 +671,10 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         if _interior_first_tile_applies(spec) else None,
         ("P.V wait pin flipped", {"pinned_pv_wait": not base.pinned_pv_wait}) if base.intra_warpgroup_overlap else None,
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False}),
-        ("persistence flipped", {"persistent": not base.persistent, **NO_PAIR_TAIL}),
+        ("persistence flipped", {"persistent": not base.persistent, **NO_PAIR_TAIL, **NO_SPLIT_TAIL}),
+        ("split tail flipped", NO_SPLIT_TAIL if base.split_tail else
+         {"split_tail": True, "split_tail_min_key_tiles": SPLIT_TAIL_MIN_KEY_TILES})
+        if base.tile_order == "head_major" and not spec.has_mask else None,
         ("causal pairs in whole rounds to the end", NO_PAIR_TAIL)
         if base.pair_tail_rounds else None,
         (f"{3 - base.q_stages} Q buffers", {"q_stages": 3 - base.q_stages}),
@@ -647,7 +683,8 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("heaviest first in L2-sized head groups", {"tile_order": "heavy_first", **NO_PAIR_TAIL,
                                                     "l2_group_bytes": Arch.SM90A.caps.l2_bytes})
         if base.tile_order != "head_major" else None,
-        ("key tiles rotated per query tile", {"rotate_key_tiles": True}) if not spec.has_mask else None,
+        ("key tiles rotated per query tile", {"rotate_key_tiles": True, **NO_SPLIT_TAIL})
+        if not spec.has_mask else None,
         ("query tiles chained" if not base.chain_query_tiles else "query tiles unchained",
          {"chain_query_tiles": not base.chain_query_tiles}),
         ("query tiles of 2 heads interleaved", {"head_interleave": 2}) if base.tile_order == "head_major" else None,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
-from fa4gen.planner import Plan, SeqlenSplit
+from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
@@ -156,7 +156,9 @@ class AttentionKernel:
         extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k),
                                    lowered=self._lowered)
         if out.numel() > 0:
-            self._function(q, k, v, out, lse, multiprocessor_count(q.device), *extras)
+            num_ctas = multiprocessor_count(q.device)
+            work, flags = split_workspace(self.plan, q.device, num_ctas)
+            self._function(q, k, v, out, lse, work, flags, num_ctas, *extras)
         if varlen:
             out = out.squeeze(0) if given_out is None else given_out
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
@@ -277,6 +279,27 @@ def multiprocessor_count(device) -> int:
     """SMs of ``device``: how many CTAs a persistent kernel launches (queried at call time, so
     the compiled artifact itself stays machine-independent)."""
     return _multiprocessor_count(device.index if device.index is not None else 0)
+
+
+_SPLIT_WORKSPACES: dict = {}  # (device, stream, shape) -> (partials, flags)
+
+
+def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
+    """The split tail's workspace (planner.split_workspace_shape), or (None, None) without one.
+
+    One per device, stream and shape, made on first use and kept: kernels on one stream run one
+    after another, and every launch leaves the flags as it found them (zero: each finisher lowers
+    the flag its writer raised), so no launch pays for a memset."""
+    import torch
+
+    shape = split_workspace_shape(plan, num_ctas)
+    if shape is None:
+        return None, None
+    key = (device, torch.cuda.current_stream(device).cuda_stream, shape)
+    if key not in _SPLIT_WORKSPACES:
+        _SPLIT_WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
+                                  torch.zeros(shape[:2], dtype=torch.int32, device=device))
+    return _SPLIT_WORKSPACES[key]
 
 
 def _torch_dtype(name: str):

@@ -121,11 +121,33 @@ def pair_tail_specs() -> dict[str, tuple[AttentionSpec, int]]:
             "d64-odd": (AttentionSpec(head_dim=64, causal=True, return_lse=True), 3900)}
 
 
+def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
+    """Specs whose plans split the tail (Plan.split_tail), with the plan of a query length and
+    the split allowed from 1 key tile on (the planner's minimum would leave the test shapes
+    unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
+    warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
+    Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
+    softcap (merged before the finalize); and one planner default as it is (split from its
+    minimum of key tiles)."""
+    from fa4gen.planner import plan_for_seqlen
+
+    cases = {}
+    for name, spec, seqlen in (
+            ("d128-gqa2", AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True), 1000),
+            ("d64", AttentionSpec(head_dim=64, return_lse=True), 1000),
+            ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
+            ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000)):
+        p = plan_for_seqlen(spec, "sm_90a", seqlen)
+        cases[name] = (spec, p.model_copy(update={"split_tail_min_key_tiles": 1}))
+    cases["d128-default"] = (AttentionSpec(head_dim=128, return_lse=True), None)
+    return cases
+
+
 def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import NO_PAIR_TAIL, O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
+    from fa4gen.planner import NO_PAIR_TAIL, NO_SPLIT_TAIL, O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
 
     cases = {}
     for name, spec in {
@@ -145,7 +167,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
             if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
-            "persistent": {"persistent": not base.persistent, **NO_PAIR_TAIL},
+            "persistent": {"persistent": not base.persistent, **NO_PAIR_TAIL, **NO_SPLIT_TAIL},
+            # whole tiles to the end where the planner splits the tail (the split itself on few
+            # CTAs: split_tail_cases)
+            "split-tail": NO_SPLIT_TAIL if base.split_tail else None,
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired", **NO_PAIR_TAIL},
             # whole rounds of causal pairs to the end (the tail itself: pair_tail_specs)
             "pair-tail": NO_PAIR_TAIL if base.pair_tail_rounds else None,
@@ -164,7 +189,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
             "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
             "tile-n": {"tile_n": base.tile_n + 16},
-            "rotated-keys": {"rotate_key_tiles": True} if not spec.has_mask else None,
+            "rotated-keys": {"rotate_key_tiles": True, **NO_SPLIT_TAIL} if not spec.has_mask else None,
             # chained query tiles where the kernel allows them (held tiles meet causal tiles
             # without keys at Sq > Sk, and the CTA's last tile)
             "chain": {"chain_query_tiles": not base.chain_query_tiles},

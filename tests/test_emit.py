@@ -237,6 +237,8 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "head_interleave": kernel_plan.head_interleave,
         "rotate_key_tiles": kernel_plan.rotate_key_tiles,
         "chain_query_tiles": kernel_plan.chain_query_tiles,
+        "split_tail": kernel_plan.split_tail,
+        "split_tail_min_key_tiles": kernel_plan.split_tail_min_key_tiles,
         "o_staging": kernel_plan.o_staging,
         "exp2_poly_period": kernel_plan.exp2_poly_period,
         "rescale_threshold": kernel_plan.rescale_threshold,

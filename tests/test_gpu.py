@@ -12,7 +12,8 @@ import pytest
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import SHAPES, gpu_specs, pair_tail_specs, plan_option_cases, variant_inputs, variant_specs
+from gpu_cases import (SHAPES, gpu_specs, pair_tail_specs, plan_option_cases, split_tail_cases, variant_inputs,
+                       variant_specs)
 
 pytestmark = pytest.mark.gpu
 
@@ -208,6 +209,32 @@ def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, name):
     q, k, v = _inputs(spec, 2, seqlen, seqlen, seed=5)
     out, lse = _run_poisoned(spec, attn, q, k, v, {})
     assert_close_to_reference(spec, q, k, v, out, lse)
+
+
+SPLIT_CASES = split_tail_cases()
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 1000), (3, 300, 2000), (1, 4100, 300), (2, 1000, 17), (8, 2000, 2000),
+                                   (2, 300, 4200)], ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("ctas", [3, 7, 30, 132])
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
+    """A persistent launch on fewer CTAs than tiles, so the split tail cuts tiles between CTAs
+    (a writer's partial merged by its finisher); launched again and again, each output
+    bit-identical to the first: every launch leaves the flags down for the next (a flag left up
+    would hand a later finisher a stale partial)."""
+    import torch
+
+    spec, kernel_plan = SPLIT_CASES[name]
+    attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
+    assert attn.kernel_for(shape[1]).plan.split_tail
+    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
+    q, k, v, args = variant_inputs(spec, *shape, seed=ctas, kv_heads=KV_HEADS)
+    out, lse = _run_poisoned(spec, attn, q, k, v, args)
+    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
+    for _ in range(8):
+        again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
 def test_block_mask_is_cached_reusable_and_follows_aux_values():

@@ -25,7 +25,7 @@ from cutlass.cute.runtime import from_dlpack
 import fa4gen
 from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
-from fa4gen.planner import PAIR_TAIL_MIN_TILES
+from fa4gen.planner import NO_SPLIT_TAIL, PAIR_TAIL_MIN_TILES
 from fa4gen.kernels.sm90_fwd import TileInfo
 from fa4gen.kernels.variant import VariantArgs
 from fa4gen.runtime import document_tables
@@ -156,6 +156,83 @@ def test_paired_tail_balances_the_last_round(size, grid):
     assert with_tail < slowest(TileScheduler("paired"))  # 1.023-1.055x the even split: what the tail mends
 
 
+def _walk_split(num_m_blocks: int, heads: int, grid: int, n_keys: int, min_keys: int = 1) -> torch.Tensor:
+    """(cta, item, tile, first, end) of every valid item of a split-tail head-major schedule, in
+    issue order: the kernel's own scheduler calls (TileScheduler.split_segment)."""
+    scheduler = TileScheduler("head_major", split_tail=True, split_min_keys=min_keys)
+    rows = grid * (num_m_blocks * heads // grid + 4)
+    out = torch.full((rows, 5), -1, dtype=torch.int32)
+
+    @cute.jit
+    def run(out: cute.Tensor, num_m_blocks: Int32, heads: Int32, grid: Int32, n_keys: Int32):
+        items = scheduler.items_per_cta(num_m_blocks, heads, grid, False, n_keys)
+        for cta in cutlass.range(grid, unroll=1):
+            for item in cutlass.range(items, unroll=1):
+                tile = scheduler.tile_of(item, cta, num_m_blocks, heads, grid, False)
+                ok = scheduler.valid(tile, num_m_blocks, heads, grid, False)
+                tile, ok, first, end = scheduler.split_segment(item, cta, num_m_blocks, heads, grid, n_keys, tile, ok)
+                if ok:
+                    row = cta * items + item
+                    out[row, 0] = cta
+                    out[row, 1] = item
+                    out[row, 2] = tile
+                    out[row, 3] = first
+                    out[row, 4] = end
+
+    run(from_dlpack(out), num_m_blocks, heads, grid, n_keys)
+    return out[out[:, 0] >= 0]
+
+
+@pytest.mark.parametrize("size, grid, n_keys", [
+    ((128, 16), 132, 128), ((32, 64), 132, 32), ((8, 256), 132, 8), ((86, 32), 132, 86), ((22, 128), 132, 22),
+    ((7, 3), 5, 1), ((7, 3), 5, 9), ((33, 4), 7, 33), ((5, 5), 7, 3), ((4, 1), 5, 6), ((12, 11), 132, 17)],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_split_tail_runs_every_key_tile_once_in_equal_runs(size, grid, n_keys):
+    """Every (tile, key tile) once; the items before the split tail are whole tiles; the tail
+    gives every CTA a run within one key tile of the others; a cut tile has one writer (its last
+    key tiles, the first item of CTA c + 1's tail) and one finisher (its first key tiles, the
+    last item of CTA c): the slot protocol of fa4gen.kernels.sm90_split."""
+    m, h = size
+    units = m * h
+    walked = _walk_split(m, h, grid, n_keys).tolist()
+    covered = torch.zeros(units, n_keys, dtype=torch.int32)
+    for _, _, tile, first, end in walked:
+        covered[tile, first:end] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+    rounds, rest = divmod(units, grid)
+    start = (rounds - 1) * grid if rest and rounds else units
+    tail = [row for row in walked if row[2] >= start]
+    assert all(row[3] == 0 and row[4] == n_keys for row in walked if row[2] < start)
+    if start == units:
+        assert not tail and len(walked) == units
+        return
+    runs = torch.zeros(grid, dtype=torch.int64)
+    for cta, _, _, first, end in tail:
+        runs[cta] += end - first
+    assert runs.max() - runs.min() <= 1 and runs.min() >= n_keys
+    for cta in range(grid):
+        mine = [row for row in tail if row[0] == cta]
+        assert 1 <= len(mine) <= 3 and [row[2] for row in mine] == sorted(row[2] for row in mine)
+        for position, (_, _, tile, first, end) in enumerate(mine):
+            if first > 0:  # a writer: the first of its run, and its finisher is the CTA before it
+                assert position == 0 and end == n_keys
+                finisher = [row for row in tail if row[2] == tile and row[3] == 0]
+                assert len(finisher) == 1 and finisher[0][0] == cta - 1 and finisher[0][4] == first
+                assert finisher[0] == [row for row in tail if row[0] == cta - 1][-1]
+            elif end < n_keys:  # a finisher: the last of its run
+                assert position == len(mine) - 1
+
+
+def test_split_tail_only_with_enough_key_tiles():
+    """Below the plan's split_tail_min_key_tiles the launch runs whole tiles only, exactly the
+    schedule without a split tail."""
+    walked = _walk_split(32, 64, 132, 31, min_keys=32)
+    assert all(row[3] == 0 and row[4] == 31 for row in walked.tolist()) and len(walked) == 32 * 64
+    plain = _walk(TileScheduler("head_major"), 32, 64, 1, 132, seqlen_k=1000)
+    assert walked[:, 2].tolist() == plain[:, 5].tolist()
+    assert (_walk_split(32, 64, 132, 32, min_keys=32)[:, 3] > 0).any()
+
+
 @pytest.mark.parametrize("interleave", [2, 3])
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
 def test_head_major_interleaves_groups_of_heads(interleave, size):
@@ -267,13 +344,15 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                          args=VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count]))
         sizes.heads_batches = num_batches
         sizes.grid = 1
+        sizes.n_keys = cutlass.max(cute.ceil_div(seqlen_k, kernel.tile_n), 1)
         sizes.pairs = kernel.scheduler.pairs_now(seqlen_k)
         sizes.group = kernel.scheduler.head_group(seqlen_k, sizes.heads_batches, row_bytes)
-        items = kernel.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
+        # one CTA: whole rounds only, so a split tail never cuts a tile here
+        items = kernel.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs, sizes.n_keys)
         for item in cutlass.range(items, unroll=1):
             tile = kernel.scheduler.tile_of(item, 0, sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
             if kernel.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs):
-                t = kernel.tile_info(tile, sizes)
+                t = kernel.tile_info(tile, sizes, Int32(0), sizes.n_keys)
                 row = t.batch * sizes.num_m_blocks + t.m_block
                 bounds[row, 0] = t.n_min
                 bounds[row, 1] = t.n_max
@@ -342,8 +421,8 @@ def _case_arguments(spec: fa4gen.AttentionSpec, seqlen_q: int, seqlen_k: int) ->
 
 KEY_TILE_CASES = {
     "plain": (dict(head_dim=128), {}),
-    "plain-rotated": (dict(head_dim=128), {"rotate_key_tiles": True}),
-    "plain-d64-rotated": (dict(head_dim=64, softcap=20.0), {"rotate_key_tiles": True}),
+    "plain-rotated": (dict(head_dim=128), {"rotate_key_tiles": True, **NO_SPLIT_TAIL}),
+    "plain-d64-rotated": (dict(head_dim=64, softcap=20.0), {"rotate_key_tiles": True, **NO_SPLIT_TAIL}),
     "causal": (dict(head_dim=128, causal=True), {}),
     "causal-d64": (dict(head_dim=64, causal=True), {}),
     "causal-d256": (dict(head_dim=256, causal=True), {}),

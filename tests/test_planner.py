@@ -11,12 +11,14 @@ from fa4gen.planner import (
     PAIR_TAIL_MIN_TILES,
     PAIR_TAIL_ROUNDS,
     SM90_FWD_TILES,
+    SPLIT_NEEDS,
     Plan,
     candidates,
     plan,
     plan_problem,
     sm90_register_pool,
     sm90_smem_bytes,
+    split_workspace_shape,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -357,6 +359,37 @@ def test_chained_query_tiles_need_their_kernel_shape(update):
     assert base.chain_query_tiles and not plan_problem(base)
     problem = plan_problem(base.model_copy(update=update))
     assert problem.startswith("chain_query_tiles needs") and "O in its own buffer" in problem
+
+
+def test_head_major_plans_split_their_tail():
+    """Every spec without a mask runs the head-major order and splits its ragged last round
+    (Plan.split_tail); masked specs, whose query tiles differ in work or in key tiles, do not,
+    and say why; the kernel's workspace is one slot per CTA and consumer warpgroup."""
+    for split in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=64), AttentionSpec(head_dim=96, softcap=30.0),
+                  AttentionSpec(head_dim=256, sinks=True), AttentionSpec(head_dim=128, score_mod={"kind": "alibi"})):
+        p = plan(split, "sm_90a")
+        assert p.split_tail and p.tile_order == "head_major" and "equal runs of key tiles" in p.reasons["split_tail"]
+        assert not plan_problem(p)
+        words = 64 * p.head_dim_v_padded // 128 + 4
+        assert split_workspace_shape(p, 132) == (132, p.num_consumer_warpgroups, words, 128)
+    for kept in (AttentionSpec(head_dim=128, causal=True), AttentionSpec(head_dim=128, window_left=256),
+                 AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx <= q_idx"}),
+                 AttentionSpec(head_dim=128, mask="document")):
+        p = plan(kept, "sm_90a")
+        assert not p.split_tail and SPLIT_NEEDS in p.reasons["split_tail"], kept.summary()
+        assert split_workspace_shape(p, 132) is None
+    assert any(not p.split_tail for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+    assert not any(p.split_tail for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
+    assert all(plan_problem(p) == "" for p in candidates(AttentionSpec(head_dim=64), "sm_90a"))
+
+
+@pytest.mark.parametrize("update", [{"persistent": False}, {"rotate_key_tiles": True},
+                                    {"tile_order": "heavy_first"}, {"skip_masked_tiles": True}])
+def test_split_tail_needs_a_persistent_head_major_launch_without_mask(update):
+    base = plan(AttentionSpec(head_dim=64), "sm_90a")
+    assert base.split_tail and not plan_problem(base)
+    assert plan_problem(base.model_copy(update=update)) == f"split_tail needs {SPLIT_NEEDS}"
+    assert not plan_problem(base.model_copy(update={**update, "split_tail": False}))
 
 
 def test_tuning_candidates_vary_the_exponential_split():

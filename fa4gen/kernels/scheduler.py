@@ -38,6 +38,19 @@ Three orders (the plan's ``tile_order``):
   processing time rule; simulated on the grid's causal cells: 0.99 of the ideal, 0.93-0.98
   with whole rounds of pairs). Only launches with at least ``tail_min_tiles`` query tiles
   per head take the tail (``tail_now``).
+
+A split tail (``split_tail``, head_major only: every query tile visits the same n key tiles)
+evens out the ragged last round of a persistent launch. With T tiles on G CTAs and T % G = r > 0,
+G x floor(T / G) would leave the last round with r busy CTAs and G - r idle ones; instead the
+last full round and the ragged one (G + r tiles, (G + r) x n key tiles) are cut into G equal runs
+of consecutive key tiles, one per CTA, after its floor(T / G) - 1 whole tiles (``split_segment``),
+in launches whose query tiles visit at least ``split_min_keys`` key tiles (shorter runs pay
+more for their extra prologues and epilogues than the ragged round costs).
+A run is at least n key tiles long, so a tile is cut at most once, between CTAs c and c + 1: CTA
+c + 1 runs the tile's last key tiles first of its run and leaves its partial O and row statistics
+to CTA c (the writer), which runs the first key tiles last of its run, merges them and writes the
+output (the finisher). Each CTA is the writer of at most one tile, so the partials have one slot
+per CTA (the writer's index), and the writer's partial is ready long before its finisher needs it.
 """
 
 from __future__ import annotations
@@ -49,14 +62,19 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 TILE_ORDERS = ("head_major", "heavy_first", "paired")
+SPLIT_SEGMENTS = 3  # a CTA's run of the split tail touches at most 3 tiles (its run is < 2 tiles long)
 
 
 class TileScheduler:
     def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None, group_bytes: int = 0,
-                 qhead_per_kvhead: int = 1, interleave: int = 1, tail_rounds: int = 0, tail_min_tiles: int = 0):
+                 qhead_per_kvhead: int = 1, interleave: int = 1, tail_rounds: int = 0, tail_min_tiles: int = 0,
+                 split_tail: bool = False, split_min_keys: int = 0):
         assert order in TILE_ORDERS, order
         assert tail_rounds >= 0
+        assert not split_tail or order == "head_major", "a split tail needs the head-major order (equal tiles)"
         self.order = order
+        self.split_tail = split_tail
+        self.split_min_keys = split_min_keys  # key tiles per query tile from which a launch splits
         # paired: rounds of pairs handed out as single tiles, heaviest first, at the end
         self.tail_rounds = tail_rounds if order == "paired" else 0
         self.tail_min_tiles = tail_min_tiles  # query tiles per head from which a launch takes the tail
@@ -116,8 +134,13 @@ class TileScheduler:
         return 2 * ((num_m_blocks // 2) * heads_batches - front) + (num_m_blocks % 2) * heads_batches
 
     @cute.jit
-    def items_per_cta(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, pairs) -> Int32:
+    def items_per_cta(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, pairs, n_keys=None) -> Int32:
+        """Items of each CTA (``n_keys``: key tiles per query tile, with a split tail)."""
         items = cute.ceil_div(self.work_units(num_m_blocks, heads_batches, pairs), grid)
+        if cutlass.const_expr(self.split_tail):
+            start = self.split_start(num_m_blocks, heads_batches, grid, n_keys)
+            if start < num_m_blocks * heads_batches:
+                items = start // grid + SPLIT_SEGMENTS
         if pairs:
             items = 2 * items
             if cutlass.const_expr(self.tail_rounds > 0):
@@ -257,3 +280,41 @@ class TileScheduler:
         if cutlass.const_expr(self.ranked):
             m_block = rank
         return m_block, head_batch
+
+    # ------------------------------------------------------------------ the split tail
+    @cute.jit
+    def split_start(self, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, n_keys: Int32) -> Int32:
+        """The first tile of the split tail (the last full round), or the tile count where the
+        launch splits nothing (whole rounds only, fewer tiles than CTAs, or query tiles of fewer
+        than ``split_min_keys`` key tiles)."""
+        units = num_m_blocks * heads_batches
+        start = units
+        if cutlass.const_expr(self.split_tail):
+            rounds = units // grid
+            if (units - rounds * grid > 0) & (rounds > 0) & (n_keys >= self.split_min_keys):
+                start = (rounds - 1) * grid
+        return start
+
+    @cute.jit
+    def split_segment(self, item: Int32, cta: Int32, num_m_blocks: Int32, heads_batches: Int32, grid: Int32,
+                      n_keys: Int32, tile: Int32, ok):
+        """(tile, valid, first, end) of item ``item`` of CTA ``cta``: visited key tiles first ..
+        end-1 of the tile (0 .. n_keys: the whole tile, as every item before the split tail);
+        ``tile`` and ``ok`` are the item's tile and validity before the split (tile_of, valid);
+        ``n_keys`` >= 1 (a launch without keys runs whole tiles of one empty key tile)."""
+        first = Int32(0)
+        end = n_keys
+        start = self.split_start(num_m_blocks, heads_batches, grid, n_keys)
+        whole_items = start // grid
+        if (start < num_m_blocks * heads_batches) & (item >= whole_items):
+            total = cutlass.Int64(num_m_blocks * heads_batches - start) * cutlass.Int64(n_keys)
+            run_lo = Int32(cutlass.Int64(cta) * total // cutlass.Int64(grid))
+            run_hi = Int32(cutlass.Int64(cta + 1) * total // cutlass.Int64(grid))
+            rel = run_lo // n_keys + (item - whole_items)
+            seg_lo = cutlass.max(run_lo, rel * n_keys)
+            seg_hi = cutlass.min(run_hi, rel * n_keys + n_keys)
+            tile = start + rel
+            ok = seg_lo < seg_hi
+            first = seg_lo - rel * n_keys
+            end = seg_hi - rel * n_keys
+        return tile, ok, first, end

@@ -38,14 +38,15 @@ class HeldTile(MainLoopState):
 
 class Sm90TileChain:
     """Mixin for the Hopper forward kernel: needs make_o_and_p(), epilogue(), held_tile_info(),
-    pv_product(), issue_qk_with_pv(), scores_to_probs(), store_p() and softmax."""
+    pv_product(), issue_qk_with_pv(), scores_to_probs(), store_p(), softmax and split_tail."""
 
     @cute.jit
     def make_held(self, thr_pv, sO, tma_o, mO, mLSE):
         """O (zero) and P for every tile of this warpgroup, and room for a held tile's state."""
         acc_o, p = self.make_o_and_p(thr_pv)
         row_max, row_sum = self.softmax.make_state()
-        where = cute.make_rmem_tensor(cute.make_layout(3), Int32)  # m_block, head, batch
+        # m_block, head, batch (and with a split tail the tile's role, see sm90_split.py)
+        where = cute.make_rmem_tensor(cute.make_layout(4 if self.split_tail else 3), Int32)
         pending = cute.make_rmem_tensor(cute.make_layout(1), Int32)
         pending[0] = Int32(0)
         return HeldTile(acc_o=acc_o, p=p, row_max=row_max, row_sum=row_sum, where=where, pending=pending, sO=sO,
@@ -62,6 +63,8 @@ class Sm90TileChain:
         held.where[0] = tile.m_block
         held.where[1] = tile.head
         held.where[2] = tile.batch
+        if cutlass.const_expr(self.split_tail):
+            held.where[3] = tile.split
         held.pending[0] = Int32(1)
 
     @cute.jit

@@ -39,11 +39,11 @@ from fa4gen.kernels.layout import convert_into, rows_cols_view
 from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
-from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
 
-EPILOGUE_BARRIER_BASE = 8  # named barriers 8..8+W-1: one per consumer warpgroup's O store
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
 
 
@@ -54,7 +54,7 @@ class TileInfo:
         self.__dict__.update(fields)
 
 
-class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
+class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
     """One compiled forward kernel. Constructor arguments are all compile-time constants."""
 
     def __init__(
@@ -101,6 +101,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         head_interleave: int = 1,
         rotate_key_tiles: bool = False,
         chain_query_tiles: bool = False,
+        split_tail: bool = False,
+        split_tail_min_key_tiles: int = 0,
     ):
         assert tile_m == 64 * num_consumer_warpgroups
         assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
@@ -155,9 +157,16 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
             "an interior first key tile needs a kernel without a right bound or block mask"
         # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
         self.pinned_pv_wait = pinned_pv_wait
+        # the ragged last round's key tiles spread over every CTA (scheduler.py, sm90_split.py):
+        # only where every query tile visits the same key tiles in the same order
+        self.split_tail = split_tail
+        assert not split_tail or (persistent and not self.key_tiles.structural and mask_mod is None
+                                  and not rotate_key_tiles), \
+            "a split tail needs a persistent launch without mask bounds, block mask or rotated key tiles"
         self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
                                        qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
-                                       tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles)
+                                       tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles,
+                                       split_tail=split_tail, split_min_keys=split_tail_min_key_tiles)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
@@ -183,6 +192,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: Optional[cute.Tensor],  # (B, Hq, Sq) fp32, or None
+        mWork: Optional[cute.Tensor],  # split tail: (num_ctas, W, partial words, 128) fp32, or None
+        mFlags: Optional[cute.Tensor],  # split tail: (num_ctas, W) int32, zero between launches, or None
         num_ctas: Int32,  # CTAs of a persistent launch (the device's SM count)
         extras: tuple,  # the variant's run-time tensors and scalars, named by extra_names
         stream: cuda.CUstream,
@@ -247,11 +258,15 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
         if cutlass.const_expr(self.persistent):
             grid_x = cutlass.min(grid_x, num_ctas)
+        if cutlass.const_expr(self.split_tail):  # planner.split_workspace_shape
+            assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
+            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (W, 64 * self.dv // WARPGROUP_THREADS + 4,
+                                                                         WARPGROUP_THREADS)
         lse = None
         if cutlass.const_expr(mLSE is not None):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
         self.kernel(
-            tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse,
+            tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse, mWork, mFlags,
             sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras,
         ).launch(
             grid=(grid_x, 1, 1),
@@ -292,7 +307,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
     @cute.kernel
     def kernel(
         self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
-        sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
+        mWork: Optional[cute.Tensor], mFlags: Optional[cute.Tensor], sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -315,6 +330,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
             args=VariantArgs(self.extra_names, extras),
         )
         sizes.heads_batches = sizes.num_heads * sizes.num_batches
+        # key tiles per query tile (every tile visits them all where a split tail is allowed);
+        # at least 1, so a launch without keys runs whole tiles of one empty key tile
+        sizes.n_keys = cutlass.max(cute.ceil_div(sizes.seqlen_k, self.tile_n), 1)
+        sizes.split_work, sizes.split_flags = mWork, mFlags
         sizes.grid = cute.arch.grid_dim()[0]
         sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
         sizes.group = self.scheduler.head_group(sizes.seqlen_k, sizes.heads_batches,
@@ -350,9 +369,24 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         return cute.make_tensor(o_ptr, sO_stage.outer), sP
 
     @cute.jit
-    def tile_info(self, tile: Int32, sizes):
+    def scheduled(self, item: Int32, sizes):
+        """(tile, valid, first, end) of this CTA's item ``item``: the tile id, whether it names
+        a tile, and the visited key tiles first .. end-1 it runs (all of them but in a split tail)."""
+        cta = cute.arch.block_idx()[0]
+        tile = self.scheduler.tile_of(item, cta, sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs)
+        ok = self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs)
+        first, end = Int32(0), sizes.n_keys
+        if cutlass.const_expr(self.split_tail):
+            tile, ok, first, end = self.scheduler.split_segment(item, cta, sizes.num_m_blocks, sizes.heads_batches,
+                                                                sizes.grid, sizes.n_keys, tile, ok)
+        return tile, ok, first, end
+
+    @cute.jit
+    def tile_info(self, tile: Int32, sizes, first=None, end=None):
         """Tile ``tile`` of the schedule: where it is and which key tiles it visits (the producer
-        computes it; the consumers receive it, see ``publish_tile``)."""
+        computes it; the consumers receive it, see ``publish_tile``); a split tail's segment
+        visits only the tile's key tiles first .. end-1 (``scheduled``; without a split tail
+        they are not used)."""
         ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
         m_block, head, batch, rank = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads,
                                                            sizes.num_batches, sizes.grid, sizes.pairs, sizes.group,
@@ -368,8 +402,16 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         else:
             n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
                                                                      sizes.args)
+        n_count = cutlass.max(n_max - n_min, 0)
+        split = Int32(0)
+        if cutlass.const_expr(self.split_tail):
+            split = self.split_role(first, end, sizes.n_keys)
+            if split != 0:  # a segment of the tile (no mask bounds here: n_min = 0 and n_max = n_keys)
+                n_min = n_max - end
+                n_max = n_max - first
+                n_count = end - first
         t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
-                     n_max=n_max, n_count=cutlass.max(n_max - n_min, 0))
+                     n_max=n_max, n_count=n_count, split=split)
         if cutlass.const_expr(self.scheduler.ranked):
             t.doc_single, t.doc_shift, t.doc_key_start, t.doc_key_end = (doc_single, doc_shift, doc_key_start,
                                                                          doc_key_end)
@@ -389,6 +431,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         fields = ("m_block", "head", "batch", "n_min", "split_lo", "split_hi", "n_max", "n_count")
         if self.rotate_key_tiles:
             fields += ("rotation",)
+        if self.split_tail:
+            fields += ("split",)
         if self.block_sparse:
             fields += ("mask_b", "mask_h")
         if self.scheduler.ranked:
@@ -437,22 +481,21 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        grid = sizes.grid
-        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
+        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs,
+                                             sizes.n_keys)
         for item in cutlass.range(items, unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], sizes.num_m_blocks, sizes.heads_batches,
-                                          grid, sizes.pairs)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs):
+            tile, ok, first, end = self.scheduled(item, sizes)
+            if ok:
+                t = self.tile_info(tile, sizes, first, end)
                 kv_state, q_state = self.produce_tile(
-                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, tile, kv_state, q_state
+                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, t, kv_state, q_state
                 )
 
     @cute.jit
-    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, tile: Int32,
-                     kv_state, q_state):
+    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, t, kv_state,
+                     q_state):
         pipe_q, pipe_k, pipe_v = pipes
         one = cute.make_layout(1)
-        t = self.tile_info(tile, sizes)
         kv_head = t.head // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, t.head, t.batch], (64, self.dqk), (None, 0))
         gK = cute.local_tile(mK[None, None, kv_head, t.batch], (self.tile_n, self.dqk), (None, 0))
@@ -531,6 +574,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
             p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
             seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg, wtidx=wtidx, args=sizes.args, held=held,
+            split_work=sizes.split_work, split_flags=sizes.split_flags,
         )
 
     @cute.jit
@@ -545,12 +589,11 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
         held = None  # chained query tiles: O, P and the held tile's state, kept across tiles
         if cutlass.const_expr(self.chain):
             held = self.make_held(self._make_pv_mma().get_slice(wtidx), sO, tma_o, mO, mLSE)
-        grid = sizes.grid
-        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs)
+        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs,
+                                             sizes.n_keys)
         for item in cutlass.range(items, unroll=1):
-            tile = self.scheduler.tile_of(item, cute.arch.block_idx()[0], sizes.num_m_blocks, sizes.heads_batches,
-                                          grid, sizes.pairs)
-            if self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, grid, sizes.pairs):
+            _, ok, _, _ = self.scheduled(item, sizes)
+            if ok:
                 q_state, k_state, v_state = self.consume_tile(
                     sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state,
                     held
@@ -608,6 +651,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
     def held_tile_info(self, held, wg: Int32):
         """The position of the tile a chained warpgroup holds (sm90_chain.hold_tile)."""
         t = TileInfo(m_block=held.where[0], head=held.where[1], batch=held.where[2])
+        if cutlass.const_expr(self.split_tail):
+            t.split = held.where[3]
         t.row_base = t.m_block * self.tile_m + wg * 64
         return t
 
@@ -641,6 +686,20 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain):
 
     @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
+        """The end of a query tile: its output (``store_output``). In a split tail every tile runs
+        the same steps, each empty where its role does not take it (sm90_split.py): merge a
+        partial (a finisher), leave one (a writer), write the output (a writer's goes past the
+        last row, where the TMA store clips it away and no LSE row is written)."""
+        if cutlass.const_expr(self.split_tail):
+            self.merge_partial(loop, t.split, wg)
+            self.write_partial(loop, t.split, wg)
+            past = cute.ceil_div(seqlen_q, self.tile_m)  # a query tile wholly past Sq
+            m_block = Int32(cutlass.select_(t.split < 0, past, t.m_block))
+            t = TileInfo(m_block=m_block, head=t.head, batch=t.batch, row_base=m_block * self.tile_m + wg * 64)
+        self.store_output(loop, sO, tma_o, mO, mLSE, t, wg, seqlen_q)
+
+    @cute.jit
+    def store_output(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
         """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's P
         tile or Q rows; stmatrix), TMA-store it (clipped to Sq rows and Dv columns) and write
         the LSE."""

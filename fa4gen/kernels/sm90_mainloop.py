@@ -38,6 +38,7 @@ from fa4gen.kernels.layout import convert_p, rows_cols_view, store_as_operand_a
 
 WARPGROUP_THREADS = 128
 TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
+EPILOGUE_BARRIER_BASE = 8  # named barriers 8..8+W-1: one per consumer warpgroup's epilogue
 
 
 class MainLoopState:

@@ -35,6 +35,8 @@
 #     head_interleave            1          not the head-major order: nothing to interleave
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
+#     split_tail                 False      not a persistent head-major launch without a mask or rotated key tiles: whole tiles to the end
+#     split_tail_min_key_tiles   0          no split tail
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 96: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
@@ -96,6 +98,8 @@ def make_kernel() -> HopperAttentionForward:
         head_interleave=1,
         rotate_key_tiles=False,
         chain_query_tiles=False,
+        split_tail=False,
+        split_tail_min_key_tiles=0,
         o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=8.0,
@@ -103,7 +107,7 @@ def make_kernel() -> HopperAttentionForward:
 
 
 @cute.jit
-def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32,
+def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, work, flags, num_ctas: Int32,
           stream: cuda.CUstream):
     """The exported function: flat arguments, the variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, lse, num_ctas, (), stream)
+    make_kernel()(q, k, v, o, lse, work, flags, num_ctas, (), stream)

@@ -37,6 +37,8 @@
 #     head_interleave            1          the head-major order finishes one head's query tiles before the next head's (2 heads interleaved, a tuning candidate, measured 0.95-1.04x per cell, 0.998x over 15 non-causal cells at S=2048-16384 on the H200)
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
+#     split_tail                 True       the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles on 132 SMs take 15.5 tile-times instead of 16. Only where query tiles visit at least 32 key tiles: against whole tiles on the H200 (both orders, 2026-12-01-s14a) it measured 1.02-1.04x at d128 S=4096-16384 and 1.03x at d64 S=4096, but 0.94-0.99x with 8-16 key tiles and 0.77x at d256 S=512, whose runs pay more for their extra prologues and epilogues than the ragged round costs
+#     split_tail_min_key_tiles   32         see split_tail
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
@@ -109,6 +111,8 @@ def make_kernel() -> HopperAttentionForward:
         head_interleave=1,
         rotate_key_tiles=False,
         chain_query_tiles=False,
+        split_tail=True,
+        split_tail_min_key_tiles=32,
         o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=8.0,
@@ -116,7 +120,7 @@ def make_kernel() -> HopperAttentionForward:
 
 
 @cute.jit
-def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, num_ctas: Int32, x_rel_bias: cute.Tensor,
+def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, work, flags, num_ctas: Int32, x_rel_bias: cute.Tensor,
           stream: cuda.CUstream):
     """The exported function: flat arguments, the variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, lse, num_ctas, (x_rel_bias, ), stream)
+    make_kernel()(q, k, v, o, lse, work, flags, num_ctas, (x_rel_bias, ), stream)

@@ -1,0 +1,123 @@
+"""The split tail on Hopper: the tile a CTA's run of key tiles cuts in two ends in two CTAs.
+
+With the plan's ``split_tail`` the scheduler (scheduler.py) spreads the last full round and the
+ragged one of a persistent head-major launch over every CTA as equal runs of key tiles, so a
+tile may be cut between CTAs c and c + 1. Both run the ordinary main loop over their key tiles
+(the tile info bounds them); only the end differs (``HopperAttentionForward.epilogue``):
+- the writer (CTA c + 1, the tile's last key tiles, first of its run) leaves its unnormalised O,
+  row maxima and per-thread row sums in global memory, in slot c + 1 of a workspace with one
+  slot per CTA and consumer warpgroup, and every thread adds 1 to the slot's flag (release,
+  GPU scope);
+- the finisher (CTA c, the first key tiles, last of its run) waits until the flag counts all
+  128 writer threads (acquire), lowers it again for the next launch (only then: a single raise
+  by every thread would let a late one come after the lowering and leave it up, so that the next
+  launch read a stale partial), merges the partial into its own registers as the online softmax
+  merges two key ranges, and writes the output as for a whole tile.
+Each thread stores and loads its own accumulator fragment, so no layout is shared but the
+kernel's own, and consecutive threads touch consecutive words. The writer's run starts with its
+part of the cut tile, so its flag rises while the finisher is still busy with its own whole
+tiles: the wait is for memory, not for work.
+
+The tile's role travels with its info as one word (``split``): 0 for a whole tile, -(slot + 1)
+for a writer, slot + 1 for a finisher.
+
+Two rules keep ptxas from serializing the kernel's wgmmas (C7519/C7520: a warpgroup arrive and
+wait at every wgmma, 0.57x at d128 on the H200 even with no tile cut): no branch depends on the
+thread (every thread counts itself into the flag; every warp spins on it with a vote as the
+loop's condition), and O's registers, the P.V accumulator, are changed the same way on every path (the
+merge runs for every tile, only its loads are in a branch; a writer's output is written too,
+past the last row, where the TMA store clips it away).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from fa4gen.kernels.layout import rows_cols_view
+from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, WARPGROUP_THREADS
+
+ROW_WORDS = 4  # after a thread's O fragment: the maxima, then the sums, of its 2 rows
+
+
+class Sm90SplitTail:
+    """Mixin for the Hopper forward kernel: needs softmax, num_consumers and a loop state with
+    acc_o, row_max, row_sum, wtidx, split_work and split_flags."""
+
+    @cute.jit
+    def split_role(self, first: Int32, end: Int32, n_keys: Int32) -> Int32:
+        """The ``split`` word of a segment of visited key tiles first .. end-1 (see above)."""
+        cta = cute.arch.block_idx()[0]
+        role = Int32(0)
+        if first > 0:
+            role = -(cta + 1)  # a writer: its own slot
+        elif end < n_keys:
+            role = cta + 2  # a finisher: its writer's slot, cta + 1
+        return role
+
+    @cute.jit
+    def _flag(self, loop, slot: Int32, wg: Int32):
+        return loop.split_flags.iterator + (slot * self.num_consumers + wg)
+
+    @cute.jit
+    def write_partial(self, loop, split: Int32, wg: Int32):
+        """A writer (``split`` < 0: -(slot + 1)) leaves this warpgroup's part of the cut tile in
+        its slot; each thread then counts itself into the slot's flag with a release (its own
+        stores before it), so the flag reaches WARPGROUP_THREADS once every word is visible.
+        Other tiles do nothing here."""
+        if split < 0:
+            work = loop.split_work[-split - 1, wg, None, loop.wtidx]
+            words = cute.size(loop.acc_o)
+            for i in cutlass.range_constexpr(words):
+                work[i] = loop.acc_o[i]
+            for r in cutlass.range_constexpr(ROW_WORDS // 2):
+                work[words + r] = loop.row_max[r]
+                work[words + ROW_WORDS // 2 + r] = loop.row_sum[r]
+            cute.arch.atomic_add(self._flag(loop, -split - 1, wg), Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def merge_partial(self, loop, split: Int32, wg: Int32):
+        """Fold a finisher's partial (``split`` > 0: its slot + 1) into O and the row statistics,
+        once the writer's flag is up: both are rescaled to the larger row max (a row that saw no
+        key keeps max -inf and contributes 0, never NaN). A whole tile (``split`` 0) merges an
+        empty partial, which leaves O as it is: the merge itself is unconditional, so O's
+        registers have one definition (a conditional merge of the wgmma accumulator made ptxas
+        copy it around the next wgmma, C7519), and only the loads are in the branch."""
+        words = cute.size(loop.acc_o)
+        other = cute.make_fragment_like(loop.acc_o)
+        other.fill(0.0)
+        stats = cute.make_rmem_tensor(cute.make_layout(ROW_WORDS), Float32)  # maxima, then sums
+        for r in cutlass.range_constexpr(ROW_WORDS // 2):
+            stats[r] = -Float32.inf
+            stats[ROW_WORDS // 2 + r] = Float32(0.0)
+        if split > 0:
+            flag = self._flag(loop, split - 1, wg)
+            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            # a warp-uniform loop: every lane waits for itself, until all the writer's threads
+            # have counted in
+            while cute.arch.vote_any_sync(seen < WARPGROUP_THREADS):
+                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            # down again for the next launch, once every thread here has seen it up (and every
+            # writer thread has counted in: no late arrival can raise it again)
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
+            cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
+            work = loop.split_work[split - 1, wg, None, loop.wtidx]
+            for i in cutlass.range_constexpr(words):
+                other[i] = work[i]
+            for i in cutlass.range_constexpr(ROW_WORDS):
+                stats[i] = work[words + i]
+        out, theirs = rows_cols_view(loop.acc_o), rows_cols_view(other)
+        scale = Float32(self.softmax.scale_log2)
+        for r in cutlass.range_constexpr(cute.size(loop.row_max)):
+            their_max = stats[r]
+            top = cute.arch.fmax(loop.row_max[r], their_max)
+            safe = top
+            if top == -Float32.inf:
+                safe = Float32(0.0)
+            mine_weight = cute.math.exp2(loop.row_max[r] * scale - safe * scale, fastmath=True)
+            their_weight = cute.math.exp2(their_max * scale - safe * scale, fastmath=True)
+            loop.row_sum[r] = loop.row_sum[r] * mine_weight + stats[ROW_WORDS // 2 + r] * their_weight
+            loop.row_max[r] = top
+            for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
+                out[r, c] = out[r, c] * mine_weight + theirs[r, c] * their_weight
