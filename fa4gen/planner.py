@@ -173,9 +173,10 @@ SPLIT_TAIL_REASON = (
     "the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between "
     "two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles "
     "on 132 SMs take 15.5 tile-times instead of 16. Only where query tiles visit at least "
-    f"{SPLIT_TAIL_MIN_KEY_TILES} key tiles: against whole tiles on the H200 (both orders, 2026-12-01-s14a) it "
-    "measured 1.02-1.04x at d128 S=4096-16384 and 1.03x at d64 S=4096, but 0.94-0.99x with 8-16 key tiles and "
-    "0.77x at d256 S=512, whose runs pay more for their extra prologues and epilogues than the ragged round costs")
+    f"{SPLIT_TAIL_MIN_KEY_TILES} key tiles: against whole tiles on the H200 (geometric mean of both orders, "
+    "2026-12-01-s14a) 1.015-1.031x at d128 S=4096-16384, 1.037x at d64 S=4096, 1.009x at 16384, 1.010-1.023x "
+    "at d96, 1.010x at GQA 4, 0.989x at d192; with 4-16 key tiles 0.94-0.99x, and 0.77x at d256 S=512: shorter "
+    "runs pay more for their extra prologues and epilogues than the ragged round costs")
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
