@@ -33,6 +33,13 @@ from fa4gen.testing import visible_keys
 from fa4gen.variants import lower
 
 
+@cute.jit
+def _store_row(out: cute.Tensor, row: Int32, values: tuple):
+    """out[row, j] = values[j] for every j."""
+    for j in cutlass.range_constexpr(len(values)):
+        out[row, j] = values[j]
+
+
 def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int, grid: int, seqlen_k: int,
           row_bytes: int = 512, order: torch.Tensor | None = None) -> torch.Tensor:
     """(cta, item, m_block, head, batch, tile, rank) of every valid item of every CTA, in issue
@@ -56,14 +63,7 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
                 if scheduler.valid(tile, num_m_blocks, heads_batches, grid, pairs):
                     m_block, head, batch, rank = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, grid,
                                                                   pairs, group, order)
-                    row = cta * items + item
-                    out[row, 0] = cta
-                    out[row, 1] = item
-                    out[row, 2] = m_block
-                    out[row, 3] = head
-                    out[row, 4] = batch
-                    out[row, 5] = tile
-                    out[row, 6] = rank
+                    _store_row(out, cta * items + item, (cta, item, m_block, head, batch, tile, rank))
 
     run(from_dlpack(out), from_dlpack(order), num_m_blocks, heads, batches, grid, seqlen_k)
     return out[out[:, 0] >= 0]
@@ -172,12 +172,7 @@ def _walk_split(num_m_blocks: int, heads: int, grid: int, n_keys: int, min_keys:
                 ok = scheduler.valid(tile, num_m_blocks, heads, grid, False)
                 tile, ok, first, end = scheduler.split_segment(item, cta, num_m_blocks, heads, grid, n_keys, tile, ok)
                 if ok:
-                    row = cta * items + item
-                    out[row, 0] = cta
-                    out[row, 1] = item
-                    out[row, 2] = tile
-                    out[row, 3] = first
-                    out[row, 4] = end
+                    _store_row(out, cta * items + item, (cta, item, tile, first, end))
 
     run(from_dlpack(out), num_m_blocks, heads, grid, n_keys)
     return out[out[:, 0] >= 0]
