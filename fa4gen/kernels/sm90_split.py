@@ -38,7 +38,7 @@ from cutlass import Float32, Int32
 from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, WARPGROUP_THREADS
 
-ROW_WORDS = 4  # after a thread's O fragment: the maxima, then the sums, of its 2 rows
+MERGE_CHUNK = 8  # O words a finisher loads per branch (columns of a row), or 4 where 8 do not divide them
 
 
 class Sm90SplitTail:
@@ -63,34 +63,36 @@ class Sm90SplitTail:
     @cute.jit
     def write_partial(self, loop, split: Int32, wg: Int32):
         """A writer (``split`` < 0: -(slot + 1)) leaves this warpgroup's part of the cut tile in
-        its slot; each thread then counts itself into the slot's flag with a release (its own
-        stores before it), so the flag reaches WARPGROUP_THREADS once every word is visible.
-        Other tiles do nothing here."""
+        its slot (O row by row, then the row maxima and sums); each thread then counts itself
+        into the slot's flag with a release (its own stores before it), so the flag reaches
+        WARPGROUP_THREADS once every word is visible. Other tiles do nothing here."""
         if split < 0:
             work = loop.split_work[-split - 1, wg, None, loop.wtidx]
-            words = cute.size(loop.acc_o)
-            for i in cutlass.range_constexpr(words):
-                work[i] = loop.acc_o[i]
-            for r in cutlass.range_constexpr(ROW_WORDS // 2):
-                work[words + r] = loop.row_max[r]
-                work[words + ROW_WORDS // 2 + r] = loop.row_sum[r]
+            out = rows_cols_view(loop.acc_o)
+            rows, cols = cute.size(out, mode=[0]), cute.size(out, mode=[1])
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cols):
+                    work[r * cols + c] = out[r, c]
+                work[rows * cols + r] = loop.row_max[r]
+                work[rows * cols + rows + r] = loop.row_sum[r]
             cute.arch.atomic_add(self._flag(loop, -split - 1, wg), Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def merge_partial(self, loop, split: Int32, wg: Int32):
         """Fold a finisher's partial (``split`` > 0: its slot + 1) into O and the row statistics,
-        once the writer's flag is up: both are rescaled to the larger row max (a row that saw no
-        key keeps max -inf and contributes 0, never NaN). A whole tile (``split`` 0) merges an
-        empty partial, which leaves O as it is: the merge itself is unconditional, so O's
+        once the writer's count is complete: both are rescaled to the larger row max (a row that
+        saw no key keeps max -inf and contributes 0, never NaN). A whole tile (``split`` 0)
+        merges an empty partial, which leaves O as it is: the arithmetic is unconditional, so O's
         registers have one definition (a conditional merge of the wgmma accumulator made ptxas
-        copy it around the next wgmma, C7519), and only the loads are in the branch."""
-        words = cute.size(loop.acc_o)
-        other = cute.make_fragment_like(loop.acc_o)
-        other.fill(0.0)
-        stats = cute.make_rmem_tensor(cute.make_layout(ROW_WORDS), Float32)  # maxima, then sums
-        for r in cutlass.range_constexpr(ROW_WORDS // 2):
+        copy it around the next wgmma, C7519), and only loads are in branches, a chunk of
+        MERGE_CHUNK words at a time (a whole second O fragment spilled at dv = 256)."""
+        out = rows_cols_view(loop.acc_o)
+        rows, cols = cute.size(out, mode=[0]), cute.size(out, mode=[1])
+        stats = cute.make_rmem_tensor(cute.make_layout(2 * rows), Float32)  # maxima, then sums
+        for r in cutlass.range_constexpr(rows):
             stats[r] = -Float32.inf
-            stats[ROW_WORDS // 2 + r] = Float32(0.0)
+            stats[rows + r] = Float32(0.0)
+        work = loop.split_work[cutlass.max(split - 1, 0), wg, None, loop.wtidx]
         if split > 0:
             flag = self._flag(loop, split - 1, wg)
             seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
@@ -102,22 +104,26 @@ class Sm90SplitTail:
             # writer thread has counted in: no late arrival can raise it again)
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
             cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
-            work = loop.split_work[split - 1, wg, None, loop.wtidx]
-            for i in cutlass.range_constexpr(words):
-                other[i] = work[i]
-            for i in cutlass.range_constexpr(ROW_WORDS):
-                stats[i] = work[words + i]
-        out, theirs = rows_cols_view(loop.acc_o), rows_cols_view(other)
+            for i in cutlass.range_constexpr(2 * rows):
+                stats[i] = work[rows * cols + i]
         scale = Float32(self.softmax.scale_log2)
-        for r in cutlass.range_constexpr(cute.size(loop.row_max)):
-            their_max = stats[r]
-            top = cute.arch.fmax(loop.row_max[r], their_max)
+        weights = cute.make_rmem_tensor(cute.make_layout(2 * rows), Float32)  # mine, then theirs
+        for r in cutlass.range_constexpr(rows):
+            top = cute.arch.fmax(loop.row_max[r], stats[r])
             safe = top
             if top == -Float32.inf:
                 safe = Float32(0.0)
-            mine_weight = cute.math.exp2(loop.row_max[r] * scale - safe * scale, fastmath=True)
-            their_weight = cute.math.exp2(their_max * scale - safe * scale, fastmath=True)
-            loop.row_sum[r] = loop.row_sum[r] * mine_weight + stats[ROW_WORDS // 2 + r] * their_weight
+            weights[r] = cute.math.exp2(loop.row_max[r] * scale - safe * scale, fastmath=True)
+            weights[rows + r] = cute.math.exp2(stats[r] * scale - safe * scale, fastmath=True)
+            loop.row_sum[r] = loop.row_sum[r] * weights[r] + stats[rows + r] * weights[rows + r]
             loop.row_max[r] = top
-            for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
-                out[r, c] = out[r, c] * mine_weight + theirs[r, c] * their_weight
+        width = MERGE_CHUNK if cols % MERGE_CHUNK == 0 else 4  # (dv is a multiple of 16: 4 divides dv / 4)
+        chunk = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+        for r in cutlass.range_constexpr(rows):
+            for c0 in cutlass.range_constexpr(0, cols, width):
+                chunk.fill(0.0)
+                if split > 0:
+                    for j in cutlass.range_constexpr(width):
+                        chunk[j] = work[r * cols + c0 + j]
+                for j in cutlass.range_constexpr(width):
+                    out[r, c0 + j] = out[r, c0 + j] * weights[r] + chunk[j] * weights[rows + r]
