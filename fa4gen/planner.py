@@ -169,6 +169,14 @@ NO_PAIR_TAIL = {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0}  # plan fields 
 # persistent head-major launches: T query tiles on G CTAs take ceil(T / G) rounds where T / G would
 # do (2048 tiles on 132 SMs: 16 rounds for 15.5, the d128 and GQA cells of the grid)
 SPLIT_TAIL_MIN_KEY_TILES = 32
+SPLIT_TAIL_MIN_SEQLEN_Q = 4096  # launches from here on run the plan with the split tail (its own kernel)
+SPLIT_TAIL_LONG = (f"from {SPLIT_TAIL_MIN_SEQLEN_Q} query rows the ragged last round of tiles is split between "
+                   "CTAs (split_tail)")
+SPLIT_TAIL_ELSEWHERE = (
+    f"launches of at least {SPLIT_TAIL_MIN_SEQLEN_Q} query rows run this plan with a split tail (the long length "
+    "range), shorter ones whole tiles: kernels that carry the split tail's code measured 0.93-0.99x at S <= 2048 "
+    "where they split nothing (its per-tile merge and segment arithmetic; H200 grid 2026-12-01-s14d against "
+    "-s13d), so short launches run a kernel without it")
 SPLIT_TAIL_REASON = (
     "the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between "
     "two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles "
@@ -359,7 +367,6 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
     chain = row.unmasked_chain if plain else None
-    split_tail = tile_order == "head_major" and not spec.has_mask
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -372,8 +379,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
         pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
-        split_tail=split_tail, split_tail_min_key_tiles=SPLIT_TAIL_MIN_KEY_TILES if split_tail else 0,
-        o_staging=o_staging,
+        split_tail=False, split_tail_min_key_tiles=0, o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
@@ -496,9 +502,8 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         if f["chain_query_tiles"] else "each query tile ends with its own last P.V and epilogue; chaining them "
         "into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where "
         f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask",
-        "split_tail": SPLIT_TAIL_REASON if f["split_tail"] else f"not {SPLIT_NEEDS}: whole tiles to the end"
-        if not (f["tile_order"] == "head_major" and not f["skip_masked_tiles"] and f["persistent"]) else
-        "whole tiles to the end (a tuning candidate)",
+        "split_tail": SPLIT_TAIL_REASON if f["split_tail"] else SPLIT_TAIL_ELSEWHERE
+        if _split_tail_applies(spec) else f"not {SPLIT_NEEDS}: whole tiles to the end",
         "split_tail_min_key_tiles": "see split_tail" if f["split_tail"] else "no split tail",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
@@ -545,6 +550,18 @@ class SeqlenSplit(BaseModel):
         return f"{self.label} sequences ({self.rows()}) run this plan instead: {self.reason}\n{self.plan.describe()}"
 
 
+def _split_tail_applies(spec: AttentionSpec) -> bool:
+    """Whether the spec's plans may split their tail (Plan.split_tail): no mask, so the tiles
+    go head-major and all visit the same key tiles."""
+    return not spec.has_mask and _tile_order(spec)[0] == "head_major"
+
+
+def _with_split_tail(p: Plan) -> Plan:
+    return p.model_copy(update={
+        "split_tail": True, "split_tail_min_key_tiles": SPLIT_TAIL_MIN_KEY_TILES,
+        "reasons": {**p.reasons, "split_tail": SPLIT_TAIL_REASON, "split_tail_min_key_tiles": "see split_tail"}})
+
+
 def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
     base = _plan_sm90(spec)
     splits = []
@@ -555,13 +572,22 @@ def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
         if _schedule(short_plan) != _schedule(base):  # the variant may already choose the same schedule
             splits.append(SeqlenSplit(label="short", max_seqlen_q=short.max_seqlen_q, plan=short_plan,
                                       reason=short.row.reason))
+    long_split = None
     if long is not None and not _register_pressure(spec):
         long_plan = _plan_sm90(spec, long.row)
         # only where the variant keeps the row's warpgroups (the measured shape), and not the base's
         if long_plan.num_consumer_warpgroups == long.row.consumer_warpgroups and \
                 _schedule(long_plan) != _schedule(base):
-            splits.append(SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
-                                      reason=long.row.reason))
+            long_split = SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
+                                     reason=long.row.reason)
+    if _split_tail_applies(spec):  # long launches split their tail (from the long row's start, if any)
+        start = SPLIT_TAIL_MIN_SEQLEN_Q if long_split is None else long_split.min_seqlen_q
+        assert start == SPLIT_TAIL_MIN_SEQLEN_Q, "a long row must start where the split tail does"
+        long_split = SeqlenSplit(
+            label="long", min_seqlen_q=start, plan=_with_split_tail(base if long_split is None else long_split.plan),
+            reason=SPLIT_TAIL_LONG if long_split is None else f"{long_split.reason}; {SPLIT_TAIL_LONG}")
+    if long_split is not None:
+        splits.append(long_split)
     return tuple(splits)
 
 

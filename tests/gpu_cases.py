@@ -127,8 +127,7 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
     warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
     Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
-    softcap (merged before the finalize); and one planner default as it is (split from its
-    minimum of key tiles)."""
+    softcap (merged before the finalize)."""
     from fa4gen.planner import plan_for_seqlen
 
     cases = {}
@@ -138,8 +137,7 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
             ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
             ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000)):
         p = plan_for_seqlen(spec, "sm_90a", seqlen)
-        cases[name] = (spec, p.model_copy(update={"split_tail_min_key_tiles": 1}))
-    cases["d128-default"] = (AttentionSpec(head_dim=128, return_lse=True), None)
+        cases[name] = (spec, p.model_copy(update={"split_tail": True, "split_tail_min_key_tiles": 1}))
     return cases
 
 
@@ -168,9 +166,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             if spec.right_bound is None else None,
             "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
             "persistent": {"persistent": not base.persistent, **NO_PAIR_TAIL, **NO_SPLIT_TAIL},
-            # whole tiles to the end where the planner splits the tail (the split itself on few
-            # CTAs: split_tail_cases)
-            "split-tail": NO_SPLIT_TAIL if base.split_tail else None,
+            # the split tail's code where the plan (short of the long range) has none; it splits
+            # nothing on these shapes' few tiles (the split itself on few CTAs: split_tail_cases)
+            "split-tail": {"split_tail": True, "split_tail_min_key_tiles": 1}
+            if base.tile_order == "head_major" and not spec.has_mask else None,
             "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired", **NO_PAIR_TAIL},
             # whole rounds of causal pairs to the end (the tail itself: pair_tail_specs)
             "pair-tail": NO_PAIR_TAIL if base.pair_tail_rounds else None,

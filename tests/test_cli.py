@@ -24,6 +24,7 @@ from fa4gen.api import cache_key_parts
 from fa4gen.arch import Arch
 from fa4gen.cache import make_key
 from fa4gen.cli import app, human_size, parse_duration
+from fa4gen.planner import seqlen_splits
 
 SMALL_SPEC = "head_dim: 64\n"
 ISOLATED_ENV = ("FA4GEN_CACHE_DIR", "FA4GEN_NO_COMPILE", "FA4GEN_CACHE_TRUSTED",
@@ -99,9 +100,12 @@ def test_schema_is_the_spec_json_schema() -> None:
 
 def test_plan_prints_schedule_with_reasons(tmp_path: Path) -> None:
     result = run("plan", write_spec(tmp_path), "--arch", "sm_90a")
-    expected = fa4gen.plan(fa4gen.AttentionSpec(head_dim=64), "sm_90a")
+    spec = fa4gen.AttentionSpec(head_dim=64)
+    expected = fa4gen.plan(spec, "sm_90a")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == expected.describe()
+    # the plan, then the long range's (the split tail)
+    (long,) = seqlen_splits(spec, "sm_90a")
+    assert result.stdout.strip() == f"{expected.describe()}\n\n{long.describe()}"
     assert "plan for sm_90a" in result.stdout
     assert expected.reasons["tile_n"] in result.stdout
 

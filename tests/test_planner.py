@@ -11,11 +11,16 @@ from fa4gen.planner import (
     PAIR_TAIL_MIN_TILES,
     PAIR_TAIL_ROUNDS,
     SM90_FWD_TILES,
+    NO_SPLIT_TAIL,
     SPLIT_NEEDS,
+    SPLIT_TAIL_MIN_KEY_TILES,
+    SPLIT_TAIL_MIN_SEQLEN_Q,
     Plan,
     candidates,
     plan,
+    plan_for_seqlen,
     plan_problem,
+    seqlen_splits,
     sm90_register_pool,
     sm90_smem_bytes,
     split_workspace_shape,
@@ -361,32 +366,37 @@ def test_chained_query_tiles_need_their_kernel_shape(update):
     assert problem.startswith("chain_query_tiles needs") and "O in its own buffer" in problem
 
 
-def test_head_major_plans_split_their_tail():
-    """Every spec without a mask runs the head-major order and splits its ragged last round
-    (Plan.split_tail); masked specs, whose query tiles differ in work or in key tiles, do not,
-    and say why; the kernel's workspace is one slot per CTA and consumer warpgroup."""
+def test_long_head_major_launches_split_their_tail():
+    """Every spec without a mask runs the head-major order; its launches of at least
+    SPLIT_TAIL_MIN_SEQLEN_Q query rows run a plan that splits the ragged last round
+    (Plan.split_tail: the long length range, the d96 row's long plan where it has one), shorter
+    ones a plan without it, and both say why; masked specs never split. The kernel's workspace
+    is one slot per CTA and consumer warpgroup."""
     for split in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=64), AttentionSpec(head_dim=96, softcap=30.0),
                   AttentionSpec(head_dim=256, sinks=True), AttentionSpec(head_dim=128, score_mod={"kind": "alibi"})):
-        p = plan(split, "sm_90a")
-        assert p.split_tail and p.tile_order == "head_major" and "equal runs of key tiles" in p.reasons["split_tail"]
-        assert not plan_problem(p)
-        words = 64 * p.head_dim_v_padded // 128 + 4
-        assert split_workspace_shape(p, 132) == (132, p.num_consumer_warpgroups, words, 128)
+        base = plan(split, "sm_90a")
+        assert not base.split_tail and "run this plan with a split tail" in base.reasons["split_tail"]
+        long = plan_for_seqlen(split, "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q)
+        assert plan_for_seqlen(split, "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q - 1) != long
+        assert long.split_tail and long.split_tail_min_key_tiles == SPLIT_TAIL_MIN_KEY_TILES
+        assert long.tile_order == "head_major" and "equal runs of key tiles" in long.reasons["split_tail"]
+        assert not plan_problem(long) and split_workspace_shape(base, 132) is None
+        words = 64 * long.head_dim_v_padded // 128 + 4
+        assert split_workspace_shape(long, 132) == (132, long.num_consumer_warpgroups, words, 128)
     for kept in (AttentionSpec(head_dim=128, causal=True), AttentionSpec(head_dim=128, window_left=256),
                  AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx <= q_idx"}),
                  AttentionSpec(head_dim=128, mask="document")):
         p = plan(kept, "sm_90a")
         assert not p.split_tail and SPLIT_NEEDS in p.reasons["split_tail"], kept.summary()
-        assert split_workspace_shape(p, 132) is None
-    assert any(not p.split_tail for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+        assert not any(s.plan.split_tail for s in seqlen_splits(kept, "sm_90a"))
+    assert any(p.split_tail for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
     assert not any(p.split_tail for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
-    assert all(plan_problem(p) == "" for p in candidates(AttentionSpec(head_dim=64), "sm_90a"))
 
 
 @pytest.mark.parametrize("update", [{"persistent": False}, {"rotate_key_tiles": True},
                                     {"tile_order": "heavy_first"}, {"skip_masked_tiles": True}])
 def test_split_tail_needs_a_persistent_head_major_launch_without_mask(update):
-    base = plan(AttentionSpec(head_dim=64), "sm_90a")
+    base = plan_for_seqlen(AttentionSpec(head_dim=64), "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q)
     assert base.split_tail and not plan_problem(base)
     assert plan_problem(base.model_copy(update=update)) == f"split_tail needs {SPLIT_NEEDS}"
     assert not plan_problem(base.model_copy(update={**update, "split_tail": False}))
@@ -464,13 +474,13 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
         ({"head_dim": 96, "causal": True}, ["short", "long"]),
         ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, ["short", "long"]),
         ({"head_dim": 96, "causal": True, "window_left": 256}, []),  # already 2 warpgroups; a window: no pairs
-        ({"head_dim": 96, "score_mod": "alibi"}, []),
-        ({"head_dim": 64}, []),  # the 2-warpgroup tiles measured slower without the causal mask
+        ({"head_dim": 96, "score_mod": "alibi"}, ["long"]),  # the split tail alone (no 144-key tiles)
+        ({"head_dim": 64}, ["long"]),  # the 2-warpgroup tiles measured slower without the causal mask
         ({"head_dim": 64, "causal": True}, ["short"]),
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
         ({"head_dim": 128, "causal": True}, []),
         ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
-        ({"head_dim": 256}, ["short"]),
+        ({"head_dim": 256}, ["short", "long"]),
         ({"head_dim": 256, "causal": True}, ["short"]),
         ({"head_dim": 256, "causal": True, "window_left": 4096, "softcap": 50.0}, []),  # already 64-key tiles
     ],
@@ -478,7 +488,8 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
 def test_length_ranges_that_run_another_plan(fields, labels):
     """Short launches run 128-row tiles where the table's row has them (d96; d64 causal) and
     64-key tiles at d256, each measured faster there; where the variant already runs those
-    tiles there is nothing to switch to."""
+    tiles there is nothing to switch to. Long launches run 144-key tiles at d96 and, without a
+    mask, split their tail."""
     from fa4gen.planner import SM90_D96_SHORT, SM90_D256_SHORT, SM90_FWD_TILES, seqlen_splits
 
     spec = AttentionSpec(**fields)
@@ -499,12 +510,17 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
         assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
         assert "at most 1024 query rows" in split.describe()
-    if "long" in splits:  # d96: 144-key tiles on the same 3 warpgroups, P through shared memory
+    if "long" in splits:
         split = splits["long"]
         assert (split.min_seqlen_q, split.max_seqlen_q) == (4096, None) and "4096 query rows" in split.reason
-        assert (split.plan.tile_m, split.plan.tile_n, main.tile_n) == (192, 144, 128)
-        assert not split.plan.p_in_registers and split.plan.reasons["tile_n"] == split.reason
         assert "at least 4096 query rows" in split.describe()
+        assert split.plan.split_tail == (not spec.has_mask) == ("split_tail" in split.reason)
+        if split.plan.tile_n != main.tile_n:  # d96: 144-key tiles on the same 3 warpgroups, P through smem
+            assert (split.plan.tile_m, split.plan.tile_n, main.tile_n) == (192, 144, 128)
+            assert not split.plan.p_in_registers and split.reason.startswith(split.plan.reasons["tile_n"])
+        else:  # the main plan with the split tail
+            unsplit = split.plan.model_copy(update={**NO_SPLIT_TAIL, "reasons": main.reasons})
+            assert unsplit == main
     assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96, 256]
     assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT and SM90_FWD_TILES[-1].short.row is SM90_D256_SHORT
 
