@@ -214,6 +214,20 @@ def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, name):
 SPLIT_CASES = split_tail_cases()
 
 
+def _split_launches(monkeypatch, spec, attn, shape, ctas: int, repeats: int) -> None:
+    """Launch on ``ctas`` CTAs: the output against the reference, then ``repeats`` launches more,
+    each bit-identical to the first."""
+    import torch
+
+    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
+    q, k, v, args = variant_inputs(spec, *shape, seed=ctas, kv_heads=KV_HEADS)
+    out, lse = _run_poisoned(spec, attn, q, k, v, args)
+    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
+    for _ in range(repeats):
+        again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
 @pytest.mark.parametrize("shape", [(2, 1000, 1000), (3, 300, 2000), (1, 4100, 300), (2, 1000, 17), (8, 2000, 2000)],
                          ids=lambda s: "b{}-sq{}-sk{}".format(*s))
 @pytest.mark.parametrize("ctas", [3, 7, 30, 132])
@@ -223,38 +237,22 @@ def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
     (a writer's partial merged by its finisher); launched again and again, each output
     bit-identical to the first: every launch leaves the flags down for the next (a flag left up
     would hand a later finisher a stale partial)."""
-    import torch
-
     spec, kernel_plan = SPLIT_CASES[name]
     attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
     assert attn.kernel_for(shape[1]).plan.split_tail
-    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
-    q, k, v, args = variant_inputs(spec, *shape, seed=ctas, kv_heads=KV_HEADS)
-    out, lse = _run_poisoned(spec, attn, q, k, v, args)
-    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
-    for _ in range(8):
-        again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=8)
 
 
 @pytest.mark.parametrize("ctas", [7, 30])
 def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas):
     """The planner's own long-range kernel (split tail from its minimum of key tiles), launched
     on a few CTAs with enough key tiles to split, repeatedly: every output matches the first."""
-    import torch
-
     spec = CASES["dense-gqa2+lse"]
     attn = fa4gen.compile(spec)
     shape = (2, 4100, 4200)  # 33 key tiles of 128, at least the plan's minimum
     kernel_plan = attn.kernel_for(shape[1]).plan
     assert kernel_plan.split_tail and -(-shape[2] // kernel_plan.tile_n) >= kernel_plan.split_tail_min_key_tiles
-    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
-    q, k, v, args = variant_inputs(spec, *shape, seed=ctas, kv_heads=KV_HEADS)
-    out, lse = _run_poisoned(spec, attn, q, k, v, args)
-    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
-    for _ in range(3):
-        again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=3)
 
 
 def test_block_mask_is_cached_reusable_and_follows_aux_values():
