@@ -1,7 +1,7 @@
 """Tests of the ``fa4gen`` command line (CPU only).
 
 Every test uses its own cache directory under tmp_path. The tests marked ``slow`` share one real
-cross-compile (a head_dim=64 spec for sm_90a), made once per module by the ``built`` fixture;
+cross-compile (a head_dim=64 window spec for sm_90a), made once per module by the ``built`` fixture;
 tests that damage or clear a cache work on a copy of it.
 """
 
@@ -27,6 +27,8 @@ from fa4gen.cli import app, human_size, parse_duration
 from fa4gen.planner import seqlen_splits
 
 SMALL_SPEC = "head_dim: 64\n"
+# the cache tests' spec: one plan, so one entry (an unmasked spec adds its long-range plan)
+CACHE_SPEC = "head_dim: 64\ncausal: true\nwindow_left: 128\n"
 ISOLATED_ENV = ("FA4GEN_CACHE_DIR", "FA4GEN_NO_COMPILE", "FA4GEN_CACHE_TRUSTED",
                 "FA4GEN_CACHE_SIZE_LIMIT", "FA4GEN_TOOLCHAIN")
 
@@ -74,7 +76,7 @@ class Built:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     """One real compile through the CLI, then a second compile of the same spec."""
     cache = tmp_path_factory.mktemp("cli-cache")
-    spec_file = write_spec(tmp_path_factory.mktemp("cli-spec"))
+    spec_file = write_spec(tmp_path_factory.mktemp("cli-spec"), CACHE_SPEC)
     spec = fa4gen.load_spec(spec_file)
     key = make_key(cache_key_parts(spec, fa4gen.plan(spec, Arch.SM90A), Arch.SM90A))
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -289,7 +291,7 @@ def test_cache_ls_shows_the_entry(built: Built) -> None:
     assert "1 cached kernel in" in result.stdout
     listed = json.loads(run("cache", "ls", "--json", "--cache-dir", built.cache).stdout)
     rows = [(row["key"], row["summary"], row["arch"]) for row in listed]
-    assert rows == [(built.key, "bfloat16 d64", "sm_90a")]
+    assert rows == [(built.key, "bfloat16 d64 causal window(128,0)", "sm_90a")]
 
 
 @pytest.mark.slow
