@@ -55,7 +55,7 @@ class Plan(BaseModel):
     chain_query_tiles: bool  # a query tile's last P.V issued with the next tile's first Q.K^T
     split_tail: bool  # persistent head-major: the ragged last round's key tiles spread over every CTA
     split_tail_min_key_tiles: int  # ... in launches whose query tiles visit at least this many key tiles
-    o_staging: Literal["own", "over_p", "over_q"]  # where O is staged for its TMA store (see O_STAGING)
+    o_staging: Literal["own", "over_p", "over_q", "shared"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     smem_bytes: int
@@ -121,11 +121,6 @@ SM90_D96_LONG = TileRow(96, 3, 144, 2, True, 0, "d96, at least 4096 query rows: 
                         "H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is "
                         "78% padding; 160-key tiles measured 0.98-1.01x, -s13b)", p_in_registers=False)
 
-SM90_D256_SHORT = TileRow(256, 2, 64, 2, False, 0, "d256, at most 1024 query rows: 64-key tiles measured 1.01-1.06x "
-                          "the 80-key ones (order-balanced A/B on the H200, S=512 and 1024, causal and not): 512 keys "
-                          "fill 8 of them where the 7th 80-key tile is 40% padding, and a causal query tile stops at "
-                          "its diagonal instead of up to 79 masked keys past it")
-
 # sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
@@ -148,9 +143,12 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             "means of 6 order-alternating A/Bs per cell on the H200, 1.020x at S=1024, 1.003-1.007x at S=2048-16384 "
             "and GQA 4, 0.995x at S=512 (2026-12-01-s13c); causal d128 measured 0.98-1.00x, d96 and causal d64 on "
             "128-row tiles 0.93-0.96x, and they keep it off"),
-    TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227"),
-    TileRow(256, 2, 80, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over "
-            "64 on the H200); Q + 2 stages = 224 KB", short=ShortRow(1024, SM90_D256_SHORT)),
+    TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which "
+            "leaves room for one warpgroup's O"),
+    TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, "
+            "which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q "
+            "(224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, "
+            "1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not"),
 )
 
 # Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
@@ -193,7 +191,8 @@ SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 # A window at d > 192: the producer's per-tile window bounds, K/V head and schedule position
 # spilled at 24 registers with GQA or two bounds (7 local loads and stores per tile in SASS); 40
 # leave its loop spill-free, and the d256 consumers' code at 232 is the same as at 240 (no
-# spills; Gemma 2's kernel: 16 fewer instructions, all the producer's).
+# spills; Gemma 2's kernel: 16 fewer instructions, all the producer's). The causal pairs' schedule
+# (its tail's position arithmetic) spilled the same way at d256: 11 local loads and stores.
 SM90_WIDE_WINDOW_SPLIT = (40, 232)
 
 
@@ -207,13 +206,14 @@ def sm90_register_pool(warpgroups: int) -> int:
     return min(caps.max_regs_per_thread, caps.registers_per_sm // threads // 8 * 8) * threads
 
 
-def _register_split(spec: AttentionSpec, warpgroups: int, width: int) -> tuple[int, int, str]:
+def _register_split(spec: AttentionSpec, warpgroups: int, width: int, tile_order: str) -> tuple[int, int, str]:
     """(producer, consumer) setmaxnreg targets, and why the producer gets its share."""
     producer, consumer = SM90_REGISTER_SPLIT[warpgroups]
     why = "the producer only issues TMA: give its registers to the consumers"
-    if warpgroups == 2 and width > 192 and spec.left_bound is not None:
+    if warpgroups == 2 and width > 192 and (spec.left_bound is not None or tile_order == "paired"):
         producer, consumer = SM90_WIDE_WINDOW_SPLIT
-        why = (f"a window at d > 192: the producer's per-tile bounds spilled at "
+        what = "a window" if spec.left_bound is not None else "the causal pairs"
+        why = (f"{what} at d > 192: the producer's per-tile bounds and schedule position spilled at "
                f"{SM90_REGISTER_SPLIT[2][0]} registers; {producer} leave it spill-free and the consumers' code "
                f"is the same at {consumer}")
     return producer, consumer, why
@@ -227,8 +227,10 @@ def _round_up(value: int, granule: int) -> int:
 # after the main loop, so the next tile's Q loads during this epilogue); over the warpgroup's P
 # tile when P goes through shared memory (free once the last P.V has read it; the next tile's
 # first P waits for the store to have read it); over the warpgroup's own Q rows (Q is released
-# only after the store has read them, so the next tile's Q loads after this epilogue).
-O_STAGING = ("own", "over_p", "over_q")
+# only after the store has read them, so the next tile's Q loads after this epilogue). Between the
+# last two: one 64-row buffer that the warpgroups take in turn, where it fits (Q is released
+# before the last P.V, so the next tile's Q loads during it and the epilogue).
+O_STAGING = ("own", "over_p", "shared", "over_q")
 
 
 def sm90_smem_bytes(
@@ -238,7 +240,7 @@ def sm90_smem_bytes(
     """Q tile(s) + K/V ring + (when in its own buffer) the O staging buffer + (when not in
     registers) P."""
     q = q_stages * tile_m * dqk
-    o = tile_m * dv if o_staging == "own" else 0
+    o = {"own": tile_m * dv, "shared": WARPGROUP_MMA_M * dv}.get(o_staging, 0)
     kv = stages * tile_n * (dqk + dv)
     p = tile_m * tile_n if p_smem else 0
     return (q + o + kv + p) * elem_bytes + SMEM_RESERVE_BYTES
@@ -353,9 +355,9 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     dv = _round_up(spec.dv, MMA_K_GRANULE)
     row = row or _sm90_row(spec)
     warpgroups, warpgroup_reason, tile_n, tile_reason = _sm90_register_fit(spec, row, max(dqk, dv))
-    producer_regs, consumer_regs, producer_reason = _register_split(spec, warpgroups, max(dqk, dv))
-    exp2_period, exp2_reason = _exp2_split(spec, row)
     tile_order, order_reason = _tile_order(spec)
+    producer_regs, consumer_regs, producer_reason = _register_split(spec, warpgroups, max(dqk, dv), tile_order)
+    exp2_period, exp2_reason = _exp2_split(spec, row)
     # a row that sends P through smem for its register budget keeps P in registers once the
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
@@ -514,7 +516,14 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
                       "has read it (Q is still freed after the main loop; the next tile's first P waits for the "
                       "store to have read the tile)",
             "over_q": "no room for an O buffer: O is staged over each warpgroup's own Q rows (the next tile's Q "
-                      "loads after this tile's epilogue)"}[f["o_staging"]],
+                      "loads after this tile's epilogue)",
+            "shared": "room for one warpgroup's O, not two: the warpgroups stage O there in turn (each store has "
+                      "read it before the next warpgroup writes), so Q is freed before the last P.V and the next "
+                      "tile's Q loads during it and the epilogue. Against O over Q on the H200 (order-balanced "
+                      "A/Bs, 2026-12-01-s15b): d192 1.02-1.05x at S=512-4096, 1.01x at 16384; d256 1.05-1.10x "
+                      "at S=512-1024; Gemma 2's d256 window 1.04x. O stored from registers instead (32-bit stores, "
+                      "no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a)",
+        }[f["o_staging"]],
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
         "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
@@ -620,14 +629,19 @@ TUNE_EXP2_POLY_PERIODS = (0, 2, 3, 4, 8)  # share of exponentials on the FMA uni
 REGISTER_HEADROOM = 32  # per-thread registers kept for addresses, softmax state and the pipeline
 
 
+def split_partial_words(head_dim_v_padded: int) -> int:
+    """fp32 words per thread of one split-tail partial (fa4gen.kernels.sm90_split): its O
+    fragment (64 x dv / 128 words) and its 2 rows' maxima and sums."""
+    return WARPGROUP_MMA_M * head_dim_v_padded // WARPGROUP_THREADS + 4
+
+
 def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] | None:
-    """The split tail's fp32 workspace (fa4gen.kernels.sm90_split): per CTA and consumer
-    warpgroup, each thread's O fragment (64 x dv / 128 words) and its 2 rows' maxima and sums,
-    thread fastest; its int32 flags are the first two modes. None without a split tail."""
+    """The split tail's fp32 workspace: per CTA and consumer warpgroup, each thread's partial
+    (split_partial_words), thread fastest; its int32 flags are the first two modes. None
+    without a split tail."""
     if not p.split_tail:
         return None
-    return (num_ctas, p.num_consumer_warpgroups, WARPGROUP_MMA_M * p.head_dim_v_padded // WARPGROUP_THREADS + 4,
-            WARPGROUP_THREADS)
+    return num_ctas, p.num_consumer_warpgroups, split_partial_words(p.head_dim_v_padded), WARPGROUP_THREADS
 
 
 def plan_smem_bytes(p: Plan) -> int:

@@ -127,7 +127,8 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
     warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
     Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
-    softcap (merged before the finalize)."""
+    softcap (merged before the finalize), and d256's long-range plan (one Q buffer, O without a
+    buffer of its own)."""
     from fa4gen.planner import plan_for_seqlen
 
     cases = {}
@@ -135,7 +136,8 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
             ("d128-gqa2", AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True), 1000),
             ("d64", AttentionSpec(head_dim=64, return_lse=True), 1000),
             ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
-            ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000)):
+            ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000),
+            ("d256-long", AttentionSpec(head_dim=256, return_lse=True), 4100)):
         p = plan_for_seqlen(spec, "sm_90a", seqlen)
         cases[name] = (spec, p.model_copy(update={"split_tail": True, "split_tail_min_key_tiles": 1}))
     return cases
@@ -181,6 +183,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             # O over P waits for the last store in the first key tile, traced apart per schedule
             "serial-o-over-p": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
                                 "o_staging": "over_p", "q_stages": 1} if not base.p_in_registers else None,
+            # O in the warpgroups' shared buffer: Q is released after the main loop in the serial
+            # schedule (before the last P.V in the overlapped one: the "o-shared" flip)
+            "serial-o-shared": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
+                                "o_staging": "shared", "q_stages": 1},
             "q-stages": {"q_stages": 3 - base.q_stages},
             "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,

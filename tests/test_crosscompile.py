@@ -75,6 +75,21 @@ def test_ptx_uses_hopper_machinery(artifacts):
         assert not re.search(r"\.local\b", ptx), f"{name}: local memory in PTX"
 
 
+def test_a_shared_o_buffer_is_taken_in_turn(artifacts):
+    """Where the warpgroups share one O staging tile (o_staging "shared": d192 and d256 in specs/),
+    each warpgroup waits at its turn barrier for its own 128 threads and the previous one's
+    storing warp (bar.sync, 160 threads), which arrives (bar.arrive, 160) once its store has read
+    the tile; plans with a buffer per warpgroup have neither."""
+    kinds = set()
+    for name, result in artifacts.items():
+        ptx = (result.entry.path / "kernel.ptx").read_text()
+        turns = tuple(len(re.findall(rf"\bbar\.{op}\s+%r\d+, 160;", ptx)) for op in ("sync", "arrive"))
+        shared = result.plan.o_staging == "shared"
+        assert (turns[0] >= 1 and turns[1] >= 1) if shared else turns == (0, 0), f"{name}: {turns} turn barriers"
+        kinds.add(shared)
+    assert kinds == {True, False}
+
+
 def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts):
     """P's 16-bit conversions are volatile inline asm (layout.pack_pair_pinned) where a rescale
     threshold puts a branch after them, and plain conversions (which LLVM may sink) where O is

@@ -167,10 +167,11 @@ def _walk_split(num_m_blocks: int, heads: int, grid: int, n_keys: int, min_keys:
     def run(out: cute.Tensor, num_m_blocks: Int32, heads: Int32, grid: Int32, n_keys: Int32):
         items = scheduler.items_per_cta(num_m_blocks, heads, grid, False, n_keys)
         for cta in cutlass.range(grid, unroll=1):
+            split_run = scheduler.split_run(cta, num_m_blocks, heads, grid, n_keys)
             for item in cutlass.range(items, unroll=1):
                 tile = scheduler.tile_of(item, cta, num_m_blocks, heads, grid, False)
                 ok = scheduler.valid(tile, num_m_blocks, heads, grid, False)
-                tile, ok, first, end = scheduler.split_segment(item, cta, num_m_blocks, heads, grid, n_keys, tile, ok)
+                tile, ok, first, end = scheduler.split_segment(item, split_run, n_keys, tile, ok)
                 if ok:
                     _store_row(out, cta * items + item, (cta, item, tile, first, end))
 

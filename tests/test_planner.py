@@ -85,12 +85,13 @@ def test_plan_table(head_dim, head_dim_v):
     assert p.kv_stages >= 2
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
     # O gets its own buffer whenever it fits, else P's tile where P is in shared memory and dv
-    # fits in it, else Q's rows (only where dv <= d)
+    # fits in it, else one warpgroup's buffer taken in turn, else Q's rows (only where dv <= d)
     p_smem = not p.p_in_registers
     dims = (p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
     own_fits = sm90_smem_bytes(*dims, "own", 1, p_smem) <= SMEM_LIMIT
     over_p_fits = p_smem and p.head_dim_v_padded <= p.tile_n
-    expected = "own" if own_fits else "over_p" if over_p_fits else "over_q"
+    shared_fits = sm90_smem_bytes(*dims, "shared", 1, p_smem) <= SMEM_LIMIT
+    expected = "own" if own_fits else "over_p" if over_p_fits else "shared" if shared_fits else "over_q"
     assert p.o_staging == expected
     assert p.o_staging != "over_q" or p.head_dim_v_padded <= p.head_dim_padded
     # a second Q buffer whenever it fits beside O's staging, which must not be Q's rows
@@ -109,7 +110,7 @@ def test_every_field_including_arch_has_a_reason():
 
 @pytest.mark.parametrize(
     "head_dim, head_dim_v, tile_n, kv_stages",
-    [(128, 128, 128, 2), (64, 64, 128, 2), (256, 256, 80, 2), (192, 128, 128, 2)],
+    [(128, 128, 128, 2), (64, 64, 128, 2), (256, 256, 64, 2), (192, 128, 128, 2)],
 )
 def test_plan_exact_main_rows(head_dim, head_dim_v, tile_n, kv_stages):
     p = plan(_spec(head_dim, head_dim_v), "sm_90a")
@@ -151,7 +152,7 @@ def test_exhaustive_head_dim_pairs_fit():
             p = plan(spec, "sm_90a")
             check_plan_invariants(spec, p)
             seen_tiles.add((p.tile_n, p.kv_stages))
-    assert {(128, 2), (80, 2)} <= seen_tiles
+    assert {(128, 2), (64, 2)} <= seen_tiles
 
 
 def test_plan_depends_on_dims_not_on_variant_flags():
@@ -419,8 +420,8 @@ def test_tuning_candidates_vary_the_exponential_split():
         ({"head_dim": 64, "mask": {"kind": "chunked", "size": 256}}, 2, 128),
         ({"head_dim": 64, "window_left": 8, "window_right": 8}, 2, 128),
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, 2, 128),
-        ({"head_dim": 256}, 2, 80),
-        ({"head_dim": 256, "causal": True, "softcap": 50.0}, 2, 80),
+        ({"head_dim": 256}, 2, 64),
+        ({"head_dim": 256, "causal": True, "softcap": 50.0}, 2, 64),
         ({"head_dim": 256, "causal": True, "window_left": 4096}, 2, 64),
         ({"head_dim": 256, "mask": "document"}, 2, 64),
         ({"head_dim": 128, "score_mod": {"kind": "relative_bias", "max_distance": 8}}, 2, 128),
@@ -480,17 +481,15 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
         ({"head_dim": 128, "causal": True}, []),
         ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
-        ({"head_dim": 256}, ["short", "long"]),
-        ({"head_dim": 256, "causal": True}, ["short"]),
-        ({"head_dim": 256, "causal": True, "window_left": 4096, "softcap": 50.0}, []),  # already 64-key tiles
+        ({"head_dim": 256}, ["long"]),
+        ({"head_dim": 256, "causal": True}, []),  # 64-key tiles at every length
     ],
 )
 def test_length_ranges_that_run_another_plan(fields, labels):
-    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal) and
-    64-key tiles at d256, each measured faster there; where the variant already runs those
-    tiles there is nothing to switch to. Long launches run 144-key tiles at d96 and, without a
-    mask, split their tail."""
-    from fa4gen.planner import SM90_D96_SHORT, SM90_D256_SHORT, SM90_FWD_TILES, seqlen_splits
+    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal),
+    measured faster there; where the variant already runs those tiles there is nothing to switch
+    to. Long launches run 144-key tiles at d96 and, without a mask, split their tail."""
+    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, seqlen_splits
 
     spec = AttentionSpec(**fields)
     splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
@@ -499,14 +498,11 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     if "short" in splits:
         split = splits["short"]
         short = split.plan
-        if spec.head_dim <= 96:  # 192-row tiles on 3 warpgroups give way to 128 rows on 2
-            assert main.num_consumer_warpgroups == 3
-            assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
-            assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
-            assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
-        else:  # the same warpgroups, narrower key tiles
-            assert (main.tile_n, short.tile_n) == (80, 64) and short.tile_m == main.tile_m == 128
-            assert short.reasons["tile_n"] == split.reason
+        # 192-row tiles on 3 warpgroups give way to 128 rows on 2
+        assert main.num_consumer_warpgroups == 3
+        assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
+        assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+        assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
         assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
         assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
         assert "at most 1024 query rows" in split.describe()
@@ -521,8 +517,8 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         else:  # the main plan with the split tail
             unsplit = split.plan.model_copy(update={**NO_SPLIT_TAIL, "reasons": main.reasons})
             assert unsplit == main
-    assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96, 256]
-    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT and SM90_FWD_TILES[-1].short.row is SM90_D256_SHORT
+    assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96]
+    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT
 
 
 def test_length_ranges_cover_each_length_once():
@@ -645,12 +641,16 @@ def test_narrow_windows_run_without_pingpong():
 
 
 def test_wide_windows_give_the_producer_more_registers():
-    """A window at d > 192 moves 8 registers per consumer thread to the producer, whose loop
-    spilled at 24 (the SASS check in test_crosscompile holds every kernel to zero spills);
-    other kernels keep 24 / 240. Every split fits the CTA's launch pool, not just the SM."""
+    """A window or the causal pairs at d > 192 move 8 registers per consumer thread to the
+    producer, whose loop spilled at 24 (the SASS check in test_crosscompile holds every kernel
+    to zero spills); other kernels keep 24 / 240. Every split fits the CTA's launch pool, not
+    just the SM."""
     for fields, split in (({"head_dim": 256, "qhead_per_kvhead": 2, "causal": True, "window_left": 4096}, (40, 232)),
                           ({"head_dim": 256, "window_left": 512, "window_right": 512}, (40, 232)),
-                          ({"head_dim": 256, "causal": True}, (24, 240)),
+                          ({"head_dim": 256, "causal": True}, (40, 232)),
+                          ({"head_dim": 256}, (24, 240)),
+                          ({"head_dim": 256, "mask": "document"}, (24, 240)),
+                          ({"head_dim": 192, "head_dim_v": 128, "causal": True}, (24, 240)),
                           ({"head_dim": 192, "head_dim_v": 128, "causal": True, "window_left": 1024}, (24, 240)),
                           ({"head_dim": 128, "causal": True, "window_left": 1024}, (24, 240)),
                           ({"head_dim": 64, "causal": True, "window_left": 1024}, (24, 240))):

@@ -296,25 +296,36 @@ class TileScheduler:
         return start
 
     @cute.jit
-    def split_segment(self, item: Int32, cta: Int32, num_m_blocks: Int32, heads_batches: Int32, grid: Int32,
-                      n_keys: Int32, tile: Int32, ok):
-        """(tile, valid, first, end) of item ``item`` of CTA ``cta``: visited key tiles first ..
-        end-1 of the tile (0 .. n_keys: the whole tile, as every item before the split tail);
-        ``tile`` and ``ok`` are the item's tile and validity before the split (tile_of, valid);
-        ``n_keys`` >= 1 (a launch without keys runs whole tiles of one empty key tile)."""
+    def split_run(self, cta: Int32, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, n_keys: Int32):
+        """CTA ``cta``'s part of the split tail, fixed for the whole launch (computed once per CTA,
+        before its item loop): (splits, start, whole_items, first_rel, run_lo, run_hi). ``splits``:
+        the launch has a split tail, from tile ``start``; the CTA's first whole_items items are
+        whole tiles; its run covers the tail's key-tile units run_lo .. run_hi-1 (unit u = key tile
+        u % n_keys of tile start + u // n_keys), beginning in tile start + first_rel."""
+        units = num_m_blocks * heads_batches
+        start = self.split_start(num_m_blocks, heads_batches, grid, n_keys)
+        total = cutlass.Int64(units - start) * cutlass.Int64(n_keys)  # 0 where nothing splits
+        run_lo = Int32(cutlass.Int64(cta) * total // cutlass.Int64(grid))
+        run_hi = Int32(cutlass.Int64(cta + 1) * total // cutlass.Int64(grid))
+        return start < units, start, start // grid, run_lo // n_keys, run_lo, run_hi
+
+    @cute.jit
+    def split_segment(self, item: Int32, run, n_keys: Int32, tile: Int32, ok):
+        """(tile, valid, first, end) of item ``item`` of the CTA whose ``split_run`` is ``run``:
+        visited key tiles first .. end-1 of the tile (0 .. n_keys: the whole tile, as every item
+        before the split tail); ``tile`` and ``ok`` are the item's tile and validity before the
+        split (tile_of, valid); ``n_keys`` >= 1 (a launch without keys runs whole tiles of one
+        empty key tile)."""
+        splits, start, whole_items, first_rel, run_lo, run_hi = run
         first = Int32(0)
         end = n_keys
-        start = self.split_start(num_m_blocks, heads_batches, grid, n_keys)
-        whole_items = start // grid
-        if (start < num_m_blocks * heads_batches) & (item >= whole_items):
-            total = cutlass.Int64(num_m_blocks * heads_batches - start) * cutlass.Int64(n_keys)
-            run_lo = Int32(cutlass.Int64(cta) * total // cutlass.Int64(grid))
-            run_hi = Int32(cutlass.Int64(cta + 1) * total // cutlass.Int64(grid))
-            rel = run_lo // n_keys + (item - whole_items)
-            seg_lo = cutlass.max(run_lo, rel * n_keys)
-            seg_hi = cutlass.min(run_hi, rel * n_keys + n_keys)
+        if splits & (item >= whole_items):
+            rel = first_rel + (item - whole_items)  # the item's tile, counted from the tail's first
+            base = rel * n_keys
+            seg_lo = cutlass.max(run_lo, base)
+            seg_hi = cutlass.min(run_hi, base + n_keys)
             tile = start + rel
             ok = seg_lo < seg_hi
-            first = seg_lo - rel * n_keys
-            end = seg_hi - rel * n_keys
+            first = seg_lo - base
+            end = seg_hi - base
         return tile, ok, first, end

@@ -39,10 +39,12 @@ from fa4gen.kernels.layout import convert_into, rows_cols_view
 from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
-from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_mainloop import (EPILOGUE_BARRIER_BASE, O_TURN_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState,
+                                         Sm90MainLoop)
 from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
+from fa4gen.planner import split_partial_words
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
 
@@ -170,10 +172,12 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
-        # O is staged in its own buffer, over the warpgroup's P tile or over its own Q rows
-        # (fa4gen.planner.O_STAGING says what each costs)
-        assert o_staging in ("own", "over_p", "over_q"), o_staging
+        # O is staged in its own buffer, over the warpgroup's P tile or over its own Q rows, or
+        # in one buffer that the warpgroups take in turn (fa4gen.planner.O_STAGING says what
+        # each costs)
+        assert o_staging in ("own", "over_p", "over_q", "shared"), o_staging
         self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
+        self.o_shared = o_staging == "shared"
         assert not self.o_over_q or head_dim_v_padded <= head_dim_padded, "O staged over Q needs dv <= d"
         assert not self.o_over_q or q_stages == 1, "O staged over Q needs a single Q buffer"
         assert not self.o_over_p or (not p_in_registers and head_dim_v_padded <= tile_n), \
@@ -235,6 +239,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
         self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
         o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
+        if cutlass.const_expr(self.o_shared):
+            o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile, taken in turn
         p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
 
         @cute.struct
@@ -260,7 +266,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
             grid_x = cutlass.min(grid_x, num_ctas)
         if cutlass.const_expr(self.split_tail):  # planner.split_workspace_shape
             assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
-            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (W, 64 * self.dv // WARPGROUP_THREADS + 4,
+            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (W, split_partial_words(self.dv),
                                                                          WARPGROUP_THREADS)
         lse = None
         if cutlass.const_expr(mLSE is not None):
@@ -307,7 +313,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
     @cute.kernel
     def kernel(
         self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
-        mWork: Optional[cute.Tensor], mFlags: Optional[cute.Tensor], sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
+        mWork: Optional[cute.Tensor], mFlags: Optional[cute.Tensor],
+        sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -335,6 +342,9 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         sizes.n_keys = cutlass.max(cute.ceil_div(sizes.seqlen_k, self.tile_n), 1)
         sizes.split_work, sizes.split_flags = mWork, mFlags
         sizes.grid = cute.arch.grid_dim()[0]
+        if cutlass.const_expr(self.split_tail):  # this CTA's run of the split tail (scheduled)
+            sizes.split_run = self.scheduler.split_run(cute.arch.block_idx()[0], sizes.num_m_blocks,
+                                                       sizes.heads_batches, sizes.grid, sizes.n_keys)
         sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
         sizes.group = self.scheduler.head_group(sizes.seqlen_k, sizes.heads_batches,
                                                 (self.dqk + self.dv) * self.dtype.width // 8)
@@ -350,23 +360,27 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
 
     @cute.jit
     def warpgroup_buffers(self, storage, sQ, sO_layout, sP_layout, wg: Int32):
-        """This consumer warpgroup's O staging tile (its own, or over its P tile or Q rows) and
-        P tile (None when P stays in registers)."""
+        """This consumer warpgroup's O staging tile (its own, over its P tile or Q rows, or the
+        one all take in turn) and P tile (None when P stays in registers)."""
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
-        sP = None
+        sO, sP = None, None
         if cutlass.const_expr(not self.p_in_registers):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
         # the offsets are whole swizzle atoms (stmatrix needs its 16-byte alignment kept)
         if cutlass.const_expr(self.o_over_q):
             offset = cute.assume(wg * self.q_stage_elems, divby=SMEM_ALIGN // 2)
-            o_ptr = cute.recast_ptr(sQ.iterator + offset, sO_stage.inner, self.dtype)
+            sO = cute.make_tensor(cute.recast_ptr(sQ.iterator + offset, sO_stage.inner, self.dtype), sO_stage.outer)
         elif cutlass.const_expr(self.o_over_p):
             offset = cute.assume(wg * self.p_stage_elems, divby=SMEM_ALIGN // 2)
             o_ptr = cute.recast_ptr(storage.sP.data_ptr() + offset, sO_stage.inner, self.dtype)
+            sO = cute.make_tensor(o_ptr, sO_stage.outer)
+        elif cutlass.const_expr(self.o_shared):
+            sO = cute.make_tensor(cute.recast_ptr(storage.sO.data_ptr(), sO_stage.inner, self.dtype), sO_stage.outer)
         else:
             offset = cute.assume(wg * cute.cosize(sO_stage), divby=SMEM_ALIGN // 2)
             o_ptr = cute.recast_ptr(storage.sO.data_ptr() + offset, sO_stage.inner, self.dtype)
-        return cute.make_tensor(o_ptr, sO_stage.outer), sP
+            sO = cute.make_tensor(o_ptr, sO_stage.outer)
+        return sO, sP
 
     @cute.jit
     def scheduled(self, item: Int32, sizes):
@@ -377,8 +391,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         ok = self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs)
         first, end = Int32(0), sizes.n_keys
         if cutlass.const_expr(self.split_tail):
-            tile, ok, first, end = self.scheduler.split_segment(item, cta, sizes.num_m_blocks, sizes.heads_batches,
-                                                                sizes.grid, sizes.n_keys, tile, ok)
+            tile, ok, first, end = self.scheduler.split_segment(item, sizes.split_run, sizes.n_keys, tile, ok)
         return tile, ok, first, end
 
     @cute.jit
@@ -586,6 +599,9 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         if cutlass.const_expr(self.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
+        if cutlass.const_expr(self.o_shared):
+            if wg == self.num_consumers - 1:  # the first warpgroup stages the first O
+                self.pass_o_turn(wg, cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0)
         held = None  # chained query tiles: O, P and the held tile's state, kept across tiles
         if cutlass.const_expr(self.chain):
             held = self.make_held(self._make_pv_mma().get_slice(wtidx), sO, tma_o, mO, mLSE)
@@ -614,6 +630,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         loop = self.make_loop_state(sQ[None, None, q_state.index * self.num_consumers + wg], sK, sV, sP, pipes,
                                     wg, wtidx, sizes, held)
         pipe_q.consumer_wait(q_state)  # this tile's Q, and its info from the producer
+        loop.pipe_q, loop.q_state = pipe_q, q_state  # (released in the main loop: releases_q_early)
         t = self.received_tile(sTiles, q_state.index)
         t.row_base = t.m_block * self.tile_m + wg * 64
         document = None
@@ -633,7 +650,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
                 v_state = self.flush_held(loop, v_state)
         if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
-        if cutlass.const_expr(not self.o_over_q):
+        if cutlass.const_expr(self.releases_q_early()):
+            if self.sees_no_key_tile(t):  # (else the main loop released Q before its last P.V)
+                pipe_q.consumer_release(q_state)
+        elif cutlass.const_expr(not self.o_over_q):
             pipe_q.consumer_release(q_state)
         if cutlass.const_expr(self.chain):
             if t.n_count > 0:
@@ -669,6 +689,53 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         cute.copy(stmatrix, thr_store.retile(o_low), thr_store.partition_D(sO))
 
     @cute.jit
+    def tma_store_o(self, loop, sO, tma_o, mO, t, wg: Int32):
+        """Stage the normalised O in shared memory (its own buffer, over this warpgroup's P tile
+        or Q rows, or the shared one in its turn; stmatrix) and TMA-store it, clipped to Sq rows
+        and Dv columns."""
+        barrier = EPILOGUE_BARRIER_BASE + wg
+        storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
+        if cutlass.const_expr(self.o_shared):
+            self.wait_o_turn(wg)  # the previous warpgroup's store has read the buffer
+        elif cutlass.const_expr(not self.o_over_q):
+            # O has its own buffer (or P's, which every warp's last P.V has read once all pass
+            # the barrier): the previous tile's store was left running; it must have read the
+            # buffer before this tile overwrites it (long done by now, as a rule)
+            self.o_store_has_read(wg)
+        self.stage_o(loop, sO)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
+        gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))
+        tOs, tOg = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        if storing:
+            cute.copy(tma_o, tOs, tOg[None, t.m_block * self.num_consumers + wg])
+            cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.o_over_q):
+            # O sits over Q's rows: the next tile's Q may load only once the store has read them
+            self.o_store_has_read(wg)
+        if cutlass.const_expr(self.o_shared):
+            self.pass_o_turn(wg, storing)
+
+    @cute.jit
+    def wait_o_turn(self, wg: Int32):
+        """O in one buffer for all warpgroups (taken in warpgroup order, tile by tile): wait
+        until the previous warpgroup's store has read it (the warpgroup and the previous one's
+        storing warp meet at this warpgroup's barrier)."""
+        cute.arch.barrier(barrier_id=O_TURN_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS + 32)
+
+    @cute.jit
+    def pass_o_turn(self, wg: Int32, storing):
+        """Hand the shared O buffer to the next warpgroup once this one's store has read it (only
+        the storing warp waits for that)."""
+        if storing:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            following = (wg + 1) % self.num_consumers
+            cute.arch.barrier_arrive(barrier_id=O_TURN_BARRIER_BASE + following,
+                                     number_of_threads=WARPGROUP_THREADS + 32)
+
+    @cute.jit
     def await_o_store(self, wg: Int32):
         """O staged over P: the previous tile's O store must have read this warpgroup's P tile
         before the first P of the next tile overwrites it (the main loop calls this once per
@@ -700,34 +767,13 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
 
     @cute.jit
     def store_output(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
-        """Normalise O, stage it in shared memory (its own buffer, or over this warpgroup's P
-        tile or Q rows; stmatrix), TMA-store it (clipped to Sq rows and Dv columns) and write
-        the LSE."""
+        """Normalise O, store it (``tma_store_o``) and write the LSE."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         sink = None
         if cutlass.const_expr(self.sinks):
             sink = Float32(loop.args.sinks[t.head])
         self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink)
-        barrier = EPILOGUE_BARRIER_BASE + wg
-        storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
-        if cutlass.const_expr(not self.o_over_q):
-            # O has its own buffer (or P's, which every warp's last P.V has read once all pass
-            # the barrier): the previous tile's store was left running; it must have read the
-            # buffer before this tile overwrites it (long done by now, as a rule)
-            self.o_store_has_read(wg)
-        self.stage_o(loop, sO)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
-        gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))
-        tOs, tOg = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        if storing:
-            cute.copy(tma_o, tOs, tOg[None, t.m_block * self.num_consumers + wg])
-            cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.o_over_q):
-            # O sits over Q's rows: the next tile's Q may load only once the store has read them
-            self.o_store_has_read(wg)
+        self.tma_store_o(loop, sO, tma_o, mO, t, wg)
         if cutlass.const_expr(self.return_lse):
             coords = rows_cols_view(loop.coords_s)
             if coords[0, 0][1] == 0:

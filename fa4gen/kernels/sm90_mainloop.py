@@ -39,6 +39,7 @@ from fa4gen.kernels.layout import convert_p, rows_cols_view, store_as_operand_a
 WARPGROUP_THREADS = 128
 TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
 EPILOGUE_BARRIER_BASE = 8  # named barriers 8..8+W-1: one per consumer warpgroup's epilogue
+O_TURN_BARRIER_BASE = 12  # named barriers 12..12+W-1: turns at a shared O staging buffer
 
 
 class MainLoopState:
@@ -55,7 +56,7 @@ class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
     pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers, chain,
     skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod,
-    mask_mod, key_tiles, softmax, key_block() and await_o_store()."""
+    mask_mod, key_tiles, softmax, o_shared, key_block() and await_o_store()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
@@ -80,6 +81,17 @@ class Sm90MainLoop:
         else:
             k_state, v_state = self.visible_tiles(loop, tile, 0, k_state, v_state)
         return k_state, v_state
+
+    def releases_q_early(self) -> bool:
+        """Whether a warpgroup releases its Q rows before a query tile's last P.V (so the next
+        tile's Q loads during it and the epilogue): where Q has one buffer and O is not staged
+        over it, and the overlapped schedule ends each tile with its own P.V."""
+        return self.q_stages == 1 and not self.o_over_q and self.overlap and not self.chain
+
+    def sees_no_key_tile(self, tile):
+        """Whether ``visible_tiles`` does not run for this warpgroup's rows of ``tile``: the tile
+        has no key tile, or (skipping masked tiles) every one is masked for these rows."""
+        return tile.skip >= tile.n_count if self.skips_masked_tiles else tile.n_count <= 0
 
     @cute.jit
     def visible_tiles(self, loop, tile, start, k_state, v_state):
@@ -109,6 +121,8 @@ class Sm90MainLoop:
         else:
             k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
         if cutlass.const_expr(self.overlap and not self.chain):
+            if cutlass.const_expr(self.releases_q_early()):
+                loop.pipe_q.consumer_release(loop.q_state)  # the last Q.K^T is done
             v_state = self.pv_product(loop, v_state)
         elif cutlass.const_expr(not self.overlap):
             v_state = k_state.clone()

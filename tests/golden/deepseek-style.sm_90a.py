@@ -12,10 +12,10 @@
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
-#     tile_n                     128        d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
-#     kv_stages                  2          d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
+#     tile_n                     128        d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
+#     kv_stages                  2          d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
-#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227
+#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            192        wgmma K granule is 16; TMA zero-fills the padding
@@ -38,10 +38,10 @@
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
 #     split_tail                 False      not a persistent head-major launch without a mask or rotated key tiles: whole tiles to the end
 #     split_tail_min_key_tiles   0          no split tail
-#     o_staging                  over_q     no room for an O buffer: O is staged over each warpgroup's own Q rows (the next tile's Q loads after this tile's epilogue)
+#     o_staging                  shared     room for one warpgroup's O, not two: the warpgroups stage O there in turn (each store has read it before the next warpgroup writes), so Q is freed before the last P.V and the next tile's Q loads during it and the epilogue. Against O over Q on the H200 (order-balanced A/Bs, 2026-12-01-s15b): d192 1.02-1.05x at S=512-4096, 1.01x at 16384; d256 1.05-1.10x at S=512-1024; Gemma 2's d256 window 1.04x. O stored from registers instead (32-bit stores, no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a)
 #     exp2_poly_period           0          d <= 192: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
-#     smem_bytes                 214016     1 x Q + 2 x (K + V) tiles + barriers, of 232448 available
+#     smem_bytes                 230400     1 x Q + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -101,7 +101,7 @@ def make_kernel() -> HopperAttentionForward:
         chain_query_tiles=False,
         split_tail=False,
         split_tail_min_key_tiles=0,
-        o_staging="over_q",
+        o_staging="shared",
         exp2_poly_period=0,
         rescale_threshold=8.0,
     )

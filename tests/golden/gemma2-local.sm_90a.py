@@ -14,11 +14,11 @@
 #     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
 #     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
 #     tile_m                     128        2 consumer warpgroups x 64 rows each
-#     tile_n                     64         d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB; a two-sided window (both bounds checked per tile) at d256: S back to 64 keys so nothing spills
-#     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB; a two-sided window (both bounds checked per tile) at d256: S back to 64 keys so nothing spills
+#     tile_n                     64         d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
+#     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
-#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 80 keys (measured: +1-7% over 64 on the H200); Q + 2 stages = 224 KB
-#     producer_regs              40         a window at d > 192: the producer's per-tile bounds spilled at 24 registers; 40 leave it spill-free and the consumers' code is the same at 232
+#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
+#     producer_regs              40         a window at d > 192: the producer's per-tile bounds and schedule position spilled at 24 registers; 40 leave it spill-free and the consumers' code is the same at 232
 #     consumer_regs              232        2x128 threads x 232 + 128 x 40 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            256        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          256        kept to a multiple of 16; the store masks padded columns
@@ -40,10 +40,10 @@
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
 #     split_tail                 False      not a persistent head-major launch without a mask or rotated key tiles: whole tiles to the end
 #     split_tail_min_key_tiles   0          no split tail
-#     o_staging                  over_q     no room for an O buffer: O is staged over each warpgroup's own Q rows (the next tile's Q loads after this tile's epilogue)
+#     o_staging                  shared     room for one warpgroup's O, not two: the warpgroups stage O there in turn (each store has read it before the next warpgroup writes), so Q is freed before the last P.V and the next tile's Q loads during it and the epilogue. Against O over Q on the H200 (order-balanced A/Bs, 2026-12-01-s15b): d192 1.02-1.05x at S=512-4096, 1.01x at 16384; d256 1.05-1.10x at S=512-1024; Gemma 2's d256 window 1.04x. O stored from registers instead (32-bit stores, no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a)
 #     exp2_poly_period           0          d <= 256: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
-#     smem_bytes                 197632     1 x Q + 2 x (K + V) tiles + barriers, of 232448 available
+#     smem_bytes                 230400     1 x Q + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -113,7 +113,7 @@ def make_kernel() -> HopperAttentionForward:
         chain_query_tiles=False,
         split_tail=False,
         split_tail_min_key_tiles=0,
-        o_staging="over_q",
+        o_staging="shared",
         exp2_poly_period=0,
         rescale_threshold=8.0,
     )
