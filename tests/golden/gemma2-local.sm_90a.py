@@ -18,7 +18,7 @@
 #     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
-#     producer_regs              40         a window at d > 192: the producer's per-tile bounds and schedule position spilled at 24 registers; 40 leave it spill-free and the consumers' code is the same at 232
+#     producer_regs              40         a window at d > 192: the producer's per-tile bounds and schedule position spilled at 24 registers; 40 leave it spill-free and the consumers do not spill at 232
 #     consumer_regs              232        2x128 threads x 232 + 128 x 40 = 64512 <= 64512 registers (the CTA's pool at launch)
 #     head_dim_padded            256        wgmma K granule is 16; TMA zero-fills the padding
 #     head_dim_v_padded          256        kept to a multiple of 16; the store masks padded columns
