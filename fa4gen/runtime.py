@@ -281,7 +281,7 @@ def multiprocessor_count(device) -> int:
     return _multiprocessor_count(device.index if device.index is not None else 0)
 
 
-_SPLIT_WORKSPACES: dict = {}  # (device, stream, shape) -> (partials, flags)
+_SPLIT_WORKSPACES: dict = {}  # (device, stream, shape, captured) -> (partials, flags)
 
 
 def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
@@ -289,13 +289,16 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
 
     One per device, stream and shape, made on first use and kept: kernels on one stream run one
     after another, and every launch leaves the flags as it found them (zero: each finisher lowers
-    the flag its writer raised), so no launch pays for a memset."""
+    the flag its writer raised), so no launch pays for a memset. Launches captured into a CUDA
+    graph get one of their own, made during the capture: its zero fill is then a node of the
+    graph (nothing runs while capturing), so the flags start at zero on each replay, and eager
+    launches on the capture stream never see a workspace that no replay has filled yet."""
     import torch
 
     shape = split_workspace_shape(plan, num_ctas)
     if shape is None:
         return None, None
-    key = (device, torch.cuda.current_stream(device).cuda_stream, shape)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, torch.cuda.is_current_stream_capturing())
     if key not in _SPLIT_WORKSPACES:
         _SPLIT_WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
                                   torch.zeros(shape[:2], dtype=torch.int32, device=device))

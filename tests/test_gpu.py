@@ -255,6 +255,37 @@ def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas):
     _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=3)
 
 
+def test_split_tail_in_a_cuda_graph(monkeypatch):
+    """Captured with no launch before it, so its workspace is made during the capture (the flags'
+    zero fill a node of the graph): every replay matches an eager launch bit for bit; an eager
+    launch on the capture stream before any replay gets a workspace of its own, and so does the
+    eager launch on the default stream."""
+    import torch
+
+    spec, kernel_plan = SPLIT_CASES["d128-gqa2"]
+    attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
+    monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: 7)
+    monkeypatch.setattr(fa4gen.runtime, "_SPLIT_WORKSPACES", {})
+    q, k, v, args = variant_inputs(spec, 2, 1000, 1000, seed=17, kv_heads=KV_HEADS)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured_out, captured_lse = attn(q, k, v, **args)
+    with torch.cuda.stream(stream):
+        eager_out, eager_lse = _run_poisoned(spec, attn, q, k, v, args)
+    torch.cuda.synchronize()
+    assert_close_to_reference(spec, q, k, v, eager_out, eager_lse, args=args)
+    keys = set(fa4gen.runtime._SPLIT_WORKSPACES)
+    assert {key[3] for key in keys if key[1] == stream.cuda_stream} == {True, False}
+    for _ in range(4):
+        captured_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured_out, eager_out) and torch.equal(captured_lse, eager_lse)
+    out, lse = _run_poisoned(spec, attn, q, k, v, args)  # the default stream: its own workspace
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert len(fa4gen.runtime._SPLIT_WORKSPACES) == 3
+
+
 def test_block_mask_is_cached_reusable_and_follows_aux_values():
     """An expression mask's block mask is built once per shape and aux values, can be built
     explicitly and shared, and new scalar values give new masks without recompiling."""
