@@ -290,18 +290,22 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     One per device, stream and shape, made on first use and kept: kernels on one stream run one
     after another, and every launch leaves the flags as it found them (zero: each finisher lowers
     the flag its writer raised), so no launch pays for a memset. Launches captured into a CUDA
-    graph get one of their own, made during the capture: its zero fill is then a node of the
-    graph (nothing runs while capturing), so the flags start at zero on each replay, and eager
-    launches on the capture stream never see a workspace that no replay has filled yet."""
+    graph get one of their own, made during the first capture, and each captured launch adds a
+    zero fill of its flags to its graph (nothing runs while capturing): every replay starts from
+    zero flags, whichever graph made the workspace, and eager launches on the capture stream
+    never see a workspace that no replay has filled."""
     import torch
 
     shape = split_workspace_shape(plan, num_ctas)
     if shape is None:
         return None, None
-    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, torch.cuda.is_current_stream_capturing())
+    capturing = torch.cuda.is_current_stream_capturing()
+    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
     if key not in _SPLIT_WORKSPACES:
         _SPLIT_WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
                                   torch.zeros(shape[:2], dtype=torch.int32, device=device))
+    elif capturing:
+        _SPLIT_WORKSPACES[key][1].zero_()
     return _SPLIT_WORKSPACES[key]
 
 

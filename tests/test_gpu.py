@@ -259,7 +259,8 @@ def test_split_tail_in_a_cuda_graph(monkeypatch):
     """Captured with no launch before it, so its workspace is made during the capture (the flags'
     zero fill a node of the graph): every replay matches an eager launch bit for bit; an eager
     launch on the capture stream before any replay gets a workspace of its own, and so does the
-    eager launch on the default stream."""
+    eager launch on the default stream; a second graph captured on that stream shares the
+    captured workspace and zero-fills its flags itself."""
     import torch
 
     spec, kernel_plan = SPLIT_CASES["d128-gqa2"]
@@ -284,6 +285,19 @@ def test_split_tail_in_a_cuda_graph(monkeypatch):
     out, lse = _run_poisoned(spec, attn, q, k, v, args)  # the default stream: its own workspace
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert len(fa4gen.runtime._SPLIT_WORKSPACES) == 3
+    # a second graph on the capture stream takes the captured workspace as it is, so its launch
+    # must zero-fill the flags within the graph: raised beforehand, every flag is down after a
+    # replay (those of slots no writer used too, which only the fill lowers: CTA 0 never writes)
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, stream=stream):
+        second_out, second_lse = attn(q, k, v, **args)
+    assert len(fa4gen.runtime._SPLIT_WORKSPACES) == 3
+    _, flags = next(pair for key, pair in fa4gen.runtime._SPLIT_WORKSPACES.items() if key[3])
+    flags.fill_(1000)
+    second.replay()
+    torch.cuda.synchronize()
+    assert not flags.any(), "the second graph did not zero-fill the split tail's flags"
+    assert torch.equal(second_out, eager_out) and torch.equal(second_lse, eager_lse)
 
 
 def test_block_mask_is_cached_reusable_and_follows_aux_values():
