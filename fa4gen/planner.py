@@ -89,8 +89,9 @@ class TileRow:
     # chain their query tiles (Plan.chain_query_tiles), for this measured reason; None: they do not
     unmasked_chain: str | None = None
     # launches whose longest query sequence is short (or long) run another row, chosen per
-    # call (all compile together: a tile is a compile-time shape)
-    short: ShortRow | None = None
+    # call (all compile together: a tile is a compile-time shape); of the short rows, the first
+    # that takes the spec
+    short: tuple[ShortRow, ...] = ()
     long: LongRow | None = None
 
 
@@ -98,7 +99,17 @@ class TileRow:
 class ShortRow:
     max_seqlen_q: int  # launches with at most this many query rows run ``row``
     row: TileRow
-    causal_only: bool = False  # only specs with the causal bound (right_bound 0) take it
+    # which specs take it: "any"; "causal": those with the causal bound (right_bound 0); "plain":
+    # no mask but the causal bound, no score modifier, softcap or sinks (the shapes it was measured on)
+    takes: Literal["any", "causal", "plain"] = "any"
+
+    def takes_spec(self, spec: AttentionSpec) -> bool:
+        if self.takes == "causal":
+            return spec.right_bound == 0
+        if self.takes == "plain":
+            return (spec.right_bound in (None, 0) and spec.left_bound is None and spec.mask_kind is None
+                    and spec.score_mod is None and spec.softcap is None and not spec.sinks)
+        return True
 
 
 @dataclass(frozen=True)
@@ -107,10 +118,25 @@ class LongRow:
     row: TileRow
 
 
+D64_RESCALE_EVERY_TILE = (
+    "d64 without a mask: O rescaled every tile, with no branch to skip it, so "
+    "P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), "
+    "measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, "
+    "2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim "
+    "0.91-1.01x (-zw)")
 SM90_D64_SHORT = TileRow(64, 2, 128, 2, True, 0, "d64 causal, at most 1024 query rows: 128-row tiles on 2 "
                          "warpgroups measured 3-12% faster than the 192-row tiles (H200 grids: 245 vs 238 TFLOP/s "
                          "at S=512, 312 vs 278 at S=1024), whose diagonal tiles idle more rows; non-causal d64 "
                          "measured 8-10% slower on them")
+SM90_D64_SHORT_4WG = TileRow(
+    64, 4, 64, 4, True, 0, "d64, at most 1024 query rows, no mask but the causal one: 4 consumer warpgroups "
+    "(256-row tiles) on 64-key tiles, 4 K/V stages. A d64 warpgroup's own chain (Q.K^T, softmax, P.V) sets the "
+    "pace, not the tensor cores or MUFU: a 192-row tile whose last rows lie past Sq, passed by, took as long as "
+    "a whole one (-s16a), so a fourth warpgroup adds throughput; S, P and O fit 112 registers at 64 keys. "
+    "Against the 192-row (non-causal) and 128-row (causal) tiles, geometric means of both orders on the H200 "
+    "(2026-12-01-s16c): 1.035x at S=512, 1.015x at 1024, causal 1.088x at 512 and 1.105x at 1024 (3 stages "
+    "1.018-1.092x, 6 stages 1.025-1.106x); from S=2048 on 0.89-0.93x (-s16b): shorter key tiles double the "
+    "per-tile steps", unmasked_rescale_every_tile=D64_RESCALE_EVERY_TILE)
 SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
                          "P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 "
                          "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
@@ -125,16 +151,13 @@ SM90_D96_LONG = TileRow(96, 3, 144, 2, True, 0, "d96, at least 4096 query rows: 
 # registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
 SM90_FWD_TILES: tuple[TileRow, ...] = (
     TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
-            "between softmaxes; S, P, O fit 160 registers", short=ShortRow(1024, SM90_D64_SHORT, causal_only=True),
-            unmasked_rescale_every_tile="d64 without a mask: O rescaled every tile, with no branch to skip it, so "
-            "P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), "
-            "measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, "
-            "2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim "
-            "0.91-1.01x (-zw)"),
+            "between softmaxes; S, P, O fit 160 registers",
+            short=(ShortRow(1024, SM90_D64_SHORT_4WG, takes="plain"), ShortRow(1024, SM90_D64_SHORT, takes="causal")),
+            unmasked_rescale_every_tile=D64_RESCALE_EVERY_TILE),
     TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
             "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
             "run 144-key tiles)", p_in_registers=False,
-            short=ShortRow(1024, SM90_D96_SHORT), long=LongRow(4096, SM90_D96_LONG)),
+            short=(ShortRow(1024, SM90_D96_SHORT),), long=LongRow(4096, SM90_D96_LONG)),
     TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers "
             "(160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at "
             "S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)",
@@ -186,8 +209,9 @@ SPLIT_TAIL_REASON = (
 RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
 
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
-# CTA's register pool (sm90_register_pool)
-SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# CTA's register pool (sm90_register_pool; 4 warpgroups: 640 threads launch at 96 registers, a
+# pool of 61440, and 112 hold d64's S, P and O at 64 keys with no spill in SASS)
+SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # A window at d > 192: the producer's per-tile window bounds, K/V head and schedule position
 # spilled at 24 registers with GQA or two bounds (7 local loads and stores per tile in SASS); 40
 # leave its loop spill-free, and the d256 consumers' code at 232 is the same as at 240 (no
@@ -280,10 +304,11 @@ def _sm90_register_fit(spec: AttentionSpec, row: TileRow, head_dim: int) -> tupl
     warpgroups, warpgroup_reason = row.consumer_warpgroups, row.reason
     tile_n, tile_reason = row.tile_n, row.reason
     pressure = _register_pressure(spec)
-    if pressure and warpgroups == 3:
+    if pressure and warpgroups > 2:
         # measured: 50-80 registers spilled at the 160 of 3 warpgroups; 2 warpgroups get 240
+        warpgroup_reason = (f"{pressure} needs more than {SM90_REGISTER_SPLIT[warpgroups][1]} registers per "
+                            f"thread: 2 warpgroups at {SM90_REGISTER_SPLIT[2][1]}")
         warpgroups = 2
-        warpgroup_reason = f"{pressure} needs more than 160 registers per thread: 2 warpgroups at 240"
     if pressure and tile_n > SM90_PRESSURE_MAX_TILE_N_D256 and head_dim > 192:
         # d256 keeps 128 O registers: with per-score bounds the 80-key S tile spilled (26-42)
         tile_n = SM90_PRESSURE_MAX_TILE_N_D256
@@ -576,8 +601,8 @@ def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
     base = _plan_sm90(spec)
     splits = []
     row = _sm90_row(spec)
-    short, long = row.short, row.long
-    if short is not None and (spec.right_bound == 0 or not short.causal_only):
+    short, long = next((s for s in row.short if s.takes_spec(spec)), None), row.long
+    if short is not None:
         short_plan = _plan_sm90(spec, short.row)
         if _schedule(short_plan) != _schedule(base):  # the variant may already choose the same schedule
             splits.append(SeqlenSplit(label="short", max_seqlen_q=short.max_seqlen_q, plan=short_plan,
@@ -745,7 +770,7 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
             flips.append((f"{stages} K/V stages", {"kv_stages": stages}))
     for step in TUNE_TILE_N_STEPS:
         flips.append((f"tile_n {base.tile_n + step}", {"tile_n": base.tile_n + step}))
-    other = 5 - base.num_consumer_warpgroups  # 2 <-> 3 consumer warpgroups
+    other = 2 if base.num_consumer_warpgroups == 3 else 3  # 2 <-> 3, 4 -> 3 consumer warpgroups
     producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other]
     # as in the planner: P leaves the registers only for the 160 of 3 warpgroups
     flips.append((f"{other} consumer warpgroups", {"num_consumer_warpgroups": other, "tile_m": 64 * other,

@@ -49,6 +49,9 @@ def variant_specs() -> dict[str, AttentionSpec]:
                                                               "or kv_idx == 0"}, return_lse=True),
         # d256: short launches run 64-key tiles, long ones the table's 80-key tiles
         "d256-causal-gqa2+lse": AttentionSpec(head_dim=256, causal=True, qhead_per_kvhead=2, return_lse=True),
+        # d64 causal: short launches run 4 consumer warpgroups (256-row tiles); specs/ has d64
+        # causal only with windows, which keep 2 or 3
+        "d64-causal-gqa2+lse": AttentionSpec(head_dim=64, causal=True, qhead_per_kvhead=2, return_lse=True),
         # d128 without a mask chains its query tiles (Plan.chain_query_tiles): no spec in specs/ is one
         "dense-gqa2+lse": AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True),
         "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},

@@ -72,12 +72,15 @@ def test_matches_reference(name, shape):
 @pytest.mark.parametrize("name, tiles", [
     ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144)}),
     ("dense-gqa2+lse", {"main": (128, 128), "long": (128, 128)}),
+    ("vit+lse", {"main": (192, 128), "short": (256, 64), "long": (192, 128)}),
+    ("d64-causal-gqa2+lse", {"main": (192, 128), "short": (256, 64)}),
 ])
 def test_each_length_range_runs_its_plan(name, tiles):
     """The default callable carries the planner's kernels for ranges of query lengths (d96:
-    128-row tiles for short sequences and 144-key tiles for long ones; without a mask, the
-    split tail for long ones): each launch runs the kernel of its length, and all match the
-    reference on either side of each boundary."""
+    128-row tiles for short sequences and 144-key tiles for long ones; d64: 4 consumer
+    warpgroups on 256-row tiles for short ones; without a mask, the split tail for long ones):
+    each launch runs the kernel of its length, and all match the reference on either side of
+    each boundary."""
     from fa4gen.planner import plan_for_seqlen, seqlen_splits
 
     spec = CASES[name]

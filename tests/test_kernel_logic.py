@@ -421,6 +421,9 @@ KEY_TILE_CASES = {
     "plain-d64-rotated": (dict(head_dim=64, softcap=20.0), {"rotate_key_tiles": True, **NO_SPLIT_TAIL}),
     "causal": (dict(head_dim=128, causal=True), {}),
     "causal-d64": (dict(head_dim=64, causal=True), {}),
+    "causal-d64-4wg": (dict(head_dim=64, causal=True),  # the short range's 256-row tiles on 4 warpgroups
+                       {"num_consumer_warpgroups": 4, "tile_m": 256, "tile_n": 64, "kv_stages": 4,
+                        "producer_regs": 24, "consumer_regs": 112}),
     "causal-d256": (dict(head_dim=256, causal=True), {}),
     "window": (dict(head_dim=128, window_left=200, window_right=30), {}),
     "window-left-only": (dict(head_dim=128, window_left=200), {}),

@@ -19,6 +19,7 @@ from fa4gen.planner import (
     candidates,
     plan,
     plan_for_seqlen,
+    RESCALE_THRESHOLD_LOG2,
     plan_problem,
     seqlen_splits,
     sm90_register_pool,
@@ -476,8 +477,11 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
         ({"head_dim": 80, "softcap": 30.0, "return_lse": True}, ["short", "long"]),
         ({"head_dim": 96, "causal": True, "window_left": 256}, []),  # already 2 warpgroups; a window: no pairs
         ({"head_dim": 96, "score_mod": "alibi"}, ["long"]),  # the split tail alone (no 144-key tiles)
-        ({"head_dim": 64}, ["long"]),  # the 2-warpgroup tiles measured slower without the causal mask
+        ({"head_dim": 64}, ["short", "long"]),  # 4 warpgroups on 64-key tiles up to 1024 rows
         ({"head_dim": 64, "causal": True}, ["short"]),
+        ({"head_dim": 64, "causal": True, "qhead_per_kvhead": 4, "return_lse": True}, ["short"]),
+        ({"head_dim": 64, "softcap": 30.0}, ["long"]),  # 4 warpgroups only where measured: no softcap
+        ({"head_dim": 64, "causal": True, "softcap": 30.0}, ["short"]),  # ... causal: 2 warpgroups instead
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
         ({"head_dim": 128, "causal": True}, []),
         ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
@@ -486,9 +490,11 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
     ],
 )
 def test_length_ranges_that_run_another_plan(fields, labels):
-    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal),
-    measured faster there; where the variant already runs those tiles there is nothing to switch
-    to. Long launches run 144-key tiles at d96 and, without a mask, split their tail."""
+    """Short launches run 128-row tiles where the table's row has them (d96; d64 causal with
+    more than the causal mask) or 256-row tiles on 4 warpgroups (d64 without a mask but the
+    causal one), measured faster there; where the variant already runs those tiles there is
+    nothing to switch to. Long launches run 144-key tiles at d96 and, without a mask, split
+    their tail."""
     from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, seqlen_splits
 
     spec = AttentionSpec(**fields)
@@ -498,10 +504,17 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     if "short" in splits:
         split = splits["short"]
         short = split.plan
-        # 192-row tiles on 3 warpgroups give way to 128 rows on 2
         assert main.num_consumer_warpgroups == 3
-        assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
-        assert (short.producer_regs, short.consumer_regs) == (24, 240) and short.q_stages == 2
+        plain = spec.left_bound is None and spec.mask_kind is None and spec.score_mod is None \
+            and spec.softcap is None
+        if spec.head_dim == 64 and plain:  # 192-row tiles give way to 256 rows of 64 keys on 4 warpgroups
+            assert (short.tile_m, short.tile_n, short.kv_stages, short.num_consumer_warpgroups) == (256, 64, 4, 4)
+            assert (short.producer_regs, short.consumer_regs, short.p_in_registers) == (24, 112, True)
+            assert short.rescale_threshold == (RESCALE_THRESHOLD_LOG2 if spec.causal else 0.0)
+        else:  # 192-row tiles on 3 warpgroups give way to 128 rows on 2
+            assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
+            assert (short.producer_regs, short.consumer_regs) == (24, 240)
+        assert short.q_stages == 2 and not plan_problem(short)
         assert short.reasons["num_consumer_warpgroups"].endswith(split.reason)
         assert short.tile_order == main.tile_order and short.smem_bytes <= 227 * 1024
         assert (split.min_seqlen_q, split.max_seqlen_q) == (1, 1024) and "1024 query rows" in split.reason
@@ -518,7 +531,7 @@ def test_length_ranges_that_run_another_plan(fields, labels):
             unsplit = split.plan.model_copy(update={**NO_SPLIT_TAIL, "reasons": main.reasons})
             assert unsplit == main
     assert [r.max_head_dim for r in SM90_FWD_TILES if r.short] == [64, 96]
-    assert SM90_FWD_TILES[1].short.row is SM90_D96_SHORT
+    assert [s.row for s in SM90_FWD_TILES[1].short] == [SM90_D96_SHORT]
 
 
 def test_length_ranges_cover_each_length_once():
@@ -531,7 +544,7 @@ def test_length_ranges_cover_each_length_once():
         covering = [s for s in splits if s.covers(seqlen)]
         assert len(covering) <= 1
         assert plan_for_seqlen(spec, "sm_90a", seqlen) == (covering[0].plan if covering else main)
-    assert plan_for_seqlen(spec, "sm_90a", 1024).tile_m == 128
+    assert plan_for_seqlen(spec, "sm_90a", 1024).tile_m == 256
     assert plan_for_seqlen(spec, "sm_90a", 1025) == main
     middle = SeqlenSplit(label="middle", min_seqlen_q=2048, max_seqlen_q=4096, plan=main, reason="r")
     long = SeqlenSplit(label="long", min_seqlen_q=8192, plan=main, reason="r")

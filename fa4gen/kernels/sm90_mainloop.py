@@ -72,12 +72,12 @@ class Sm90MainLoop:
                 k_state, v_state = self.skip_tile(loop, k_state, v_state, False)
             for _ in cutlass.range(edge_skips, unroll=1):
                 k_state, v_state = self.skip_tile(loop, k_state, v_state, True)
-            if tile.skip < tile.n_count:
-                k_state, v_state = self.visible_tiles(loop, tile, tile.skip, k_state, v_state)
-            else:
+            if self.sees_no_key_tile(tile):
                 # nothing visible: the turn of the last P.V that never comes still passes
                 self.wait_turn(loop.warpgroup, edge=True)
                 self.pass_turn(loop.warpgroup, edge=True)
+            else:
+                k_state, v_state = self.visible_tiles(loop, tile, tile.skip, k_state, v_state)
         else:
             k_state, v_state = self.visible_tiles(loop, tile, 0, k_state, v_state)
         return k_state, v_state
