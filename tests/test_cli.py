@@ -105,9 +105,10 @@ def test_plan_prints_schedule_with_reasons(tmp_path: Path) -> None:
     spec = fa4gen.AttentionSpec(head_dim=64)
     expected = fa4gen.plan(spec, "sm_90a")
     assert result.exit_code == 0, result.output
-    # the plan, then the long range's (the split tail)
-    (long,) = seqlen_splits(spec, "sm_90a")
-    assert result.stdout.strip() == f"{expected.describe()}\n\n{long.describe()}"
+    # the plan, then the short range's (4 consumer warpgroups) and the long range's (the split tail)
+    short, long = seqlen_splits(spec, "sm_90a")
+    assert (short.label, long.label) == ("short", "long")
+    assert result.stdout.strip() == f"{expected.describe()}\n\n{short.describe()}\n\n{long.describe()}"
     assert "plan for sm_90a" in result.stdout
     assert expected.reasons["tile_n"] in result.stdout
 
