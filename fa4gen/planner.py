@@ -1,18 +1,29 @@
 """Spec + arch -> Plan: the tile and pipeline schedule, with a reason for every choice.
 
 The plan is a frozen model: everything the kernel class needs as compile-time constants, and
-nothing that depends on the machine doing the planning. Per-arch tables live here, one row per
-head-dim bucket, each with the one-line reason behind it.
+nothing that depends on the machine doing the planning. The per-arch tables (one row per
+head-dim bucket, each with the one-line reason behind it) live in fa4gen.sm90_tables.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from fa4gen.arch import Arch, require_supported
+from fa4gen.sm90_tables import (
+    EXP2_POLY_PERIOD_SOFTCAP,
+    NO_PAIR_TAIL,
+    PAIR_TAIL_MIN_TILES,
+    PAIR_TAIL_ROUNDS,
+    RESCALE_THRESHOLD_LOG2,
+    SM90_FWD_TILES,
+    SM90_REGISTER_SPLIT,
+    SM90_WIDE_WINDOW_SPLIT,
+    SPLIT_TAIL_HOW,
+    TileRow,
+)
 from fa4gen.spec import AttentionSpec
 
 WARPGROUP_MMA_M = 64  # rows of one Hopper warpgroup MMA
@@ -72,152 +83,7 @@ class Plan(BaseModel):
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class TileRow:
-    max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
-    consumer_warpgroups: int
-    tile_n: int
-    kv_stages: int
-    pingpong: bool
-    exp2_poly_period: int
-    reason: str
-    p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
-    # specs without a mask that keep the row's warpgroups rescale O every tile (threshold 0),
-    # for this measured reason; None: the threshold everywhere
-    unmasked_rescale_every_tile: str | None = None
-    # specs without a mask or score modifier that keep the row's warpgroups and O's own buffer
-    # chain their query tiles (Plan.chain_query_tiles), for this measured reason; None: they do not
-    unmasked_chain: str | None = None
-    # launches whose longest query sequence is short (or long) run another row, chosen per
-    # call (all compile together: a tile is a compile-time shape); of the short rows, the first
-    # that takes the spec
-    short: tuple[ShortRow, ...] = ()
-    long: LongRow | None = None
 
-
-@dataclass(frozen=True)
-class ShortRow:
-    max_seqlen_q: int  # launches with at most this many query rows run ``row``
-    row: TileRow
-    # which specs take it: "any"; "causal": those with the causal bound (right_bound 0); "plain":
-    # no mask but the causal bound, no score modifier, softcap or sinks (the shapes it was measured on)
-    takes: Literal["any", "causal", "plain"] = "any"
-
-    def takes_spec(self, spec: AttentionSpec) -> bool:
-        if self.takes == "causal":
-            return spec.right_bound == 0
-        if self.takes == "plain":
-            return (spec.right_bound in (None, 0) and spec.left_bound is None and spec.mask_kind is None
-                    and spec.score_mod is None and spec.softcap is None and not spec.sinks)
-        return True
-
-
-@dataclass(frozen=True)
-class LongRow:
-    min_seqlen_q: int  # launches with at least this many query rows run ``row``
-    row: TileRow
-
-
-D64_RESCALE_EVERY_TILE = (
-    "d64 without a mask: O rescaled every tile, with no branch to skip it, so "
-    "P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), "
-    "measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, "
-    "2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim "
-    "0.91-1.01x (-zw)")
-SM90_D64_SHORT = TileRow(64, 2, 128, 2, True, 0, "d64 causal, at most 1024 query rows: 128-row tiles on 2 "
-                         "warpgroups measured 3-12% faster than the 192-row tiles (H200 grids: 245 vs 238 TFLOP/s "
-                         "at S=512, 312 vs 278 at S=1024), whose diagonal tiles idle more rows; non-causal d64 "
-                         "measured 8-10% slower on them")
-SM90_D64_SHORT_4WG = TileRow(
-    64, 4, 64, 4, True, 0, "d64, at most 1024 query rows, no mask but the causal one: 4 consumer warpgroups "
-    "(256-row tiles) on 64-key tiles, 4 K/V stages. A d64 warpgroup's own chain (Q.K^T, softmax, P.V) sets the "
-    "pace, not the tensor cores or MUFU: a 192-row tile whose last rows lie past Sq, passed by, took as long as "
-    "a whole one (-s16a), so a fourth warpgroup adds throughput; S, P and O fit 112 registers at 64 keys. "
-    "Against the 192-row (non-causal) and 128-row (causal) tiles, geometric means of both orders on the H200 "
-    "(2026-12-01-s16c): 1.035x at S=512, 1.015x at 1024, causal 1.088x at 512 and 1.105x at 1024 (3 stages "
-    "1.018-1.092x, 6 stages 1.025-1.106x); from S=2048 on 0.89-0.93x (-s16b): shorter key tiles double the "
-    "per-tile steps", unmasked_rescale_every_tile=D64_RESCALE_EVERY_TILE)
-SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
-                         "P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 "
-                         "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
-                         "its rows idle; from S=2048 on the 192-row tiles win")
-
-SM90_D96_LONG = TileRow(96, 3, 144, 2, True, 0, "d96, at least 4096 query rows: 144-key tiles (flash-attn-4's), "
-                        "with O staged over P, measured 1.01-1.03x the 128-key ones (order-balanced A/Bs on the "
-                        "H200 at S=8192 and 16384, causal and not; at S=2048 0.96-0.97x, whose last key tile is "
-                        "78% padding; 160-key tiles measured 0.98-1.01x, -s13b)", p_in_registers=False)
-
-# sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
-# registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
-SM90_FWD_TILES: tuple[TileRow, ...] = (
-    TileRow(64, 3, 128, 2, True, 0, "small d: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed "
-            "between softmaxes; S, P, O fit 160 registers",
-            short=(ShortRow(1024, SM90_D64_SHORT_4WG, takes="plain"), ShortRow(1024, SM90_D64_SHORT, takes="causal")),
-            unmasked_rescale_every_tile=D64_RESCALE_EVERY_TILE),
-    TileRow(96, 3, 128, 2, True, 0, "d96: 3 consumer warpgroups (tile_m 192) keep the tensor cores fed; S and O "
-            "take 112 of 160 registers, so P goes through shared memory (launches of 4096 query rows or more "
-            "run 144-key tiles)", p_in_registers=False,
-            short=(ShortRow(1024, SM90_D96_SHORT),), long=LongRow(4096, SM90_D96_LONG)),
-    TileRow(128, 2, 128, 2, True, 0, "d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers "
-            "(160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at "
-            "S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)",
-            unmasked_chain="d128 without a mask: each query tile's last P.V is issued with the next tile's first "
-            "Q.K^T and its epilogue runs during that tile's first softmax (fa4gen.kernels.sm90_chain): geometric "
-            "means of 6 order-alternating A/Bs per cell on the H200, 1.020x at S=1024, 1.003-1.007x at S=2048-16384 "
-            "and GQA 4, 0.995x at S=512 (2026-12-01-s13c); causal d128 measured 0.98-1.00x, d96 and causal d64 on "
-            "128-row tiles 0.93-0.96x, and they keep it off"),
-    TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which "
-            "leaves room for one warpgroup's O"),
-    TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, "
-            "which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q "
-            "(224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, "
-            "1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not"),
-)
-
-# Exponentials per matmul FLOP fall as 1/d: MUFU (16 ex2 per clock per SM) keeps up with the
-# tensor cores (4096 FLOPs per clock) only at d >= 128, and tanh (softcap) doubles its load, so
-# FlashAttention-4 moves part of the exponentials to a polynomial on the FMA units. Measured on
-# the H200 (BENCHMARKS.md), every share tried made this kernel slower: d64 6-18% at 1 in 4, d96
-# 0-6% at 1 in 8, softcap 3-5% at 1 in 2 (the softmax's FMA/ALU work, not MUFU, is the limit
-# here). The table keeps every exp2 on MUFU; `fa4gen tune` still tries 1 in 2..8.
-EXP2_POLY_PERIOD_SOFTCAP = 0
-# Causal pairs come in whole rounds of one per CTA, so P pairs on G CTAs take ceil(P / G)
-# pair-times; the last PAIR_TAIL_ROUNDS rounds of them go as single tiles, heaviest first
-# (fa4gen.kernels.scheduler; 2 rounds of singles leave room to even out the heaviest ones)
-PAIR_TAIL_ROUNDS = 2
-PAIR_TAIL_MIN_TILES = 20  # query tiles per head from which pairs end in a tail (see the reason)
-NO_PAIR_TAIL = {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0}  # plan fields of a schedule without the tail
-# persistent head-major launches: T query tiles on G CTAs take ceil(T / G) rounds where T / G would
-# do (2048 tiles on 132 SMs: 16 rounds for 15.5, the d128 and GQA cells of the grid)
-SPLIT_TAIL_MIN_KEY_TILES = 32
-SPLIT_TAIL_MIN_SEQLEN_Q = 4096  # launches from here on run the plan with the split tail (its own kernel)
-SPLIT_TAIL_LONG = (f"from {SPLIT_TAIL_MIN_SEQLEN_Q} query rows the ragged last round of tiles is split between "
-                   "CTAs (split_tail)")
-SPLIT_TAIL_ELSEWHERE = (
-    f"launches of at least {SPLIT_TAIL_MIN_SEQLEN_Q} query rows run this plan with a split tail (the long length "
-    "range), shorter ones whole tiles: kernels that carry the split tail's code measured 0.93-0.99x at S <= 2048 "
-    "where they split nothing (its per-tile merge and segment arithmetic; H200 grid 2026-12-01-s14d against "
-    "-s13d), so short launches run a kernel without it")
-SPLIT_TAIL_REASON = (
-    "the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between "
-    "two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles "
-    "on 132 SMs take 15.5 tile-times instead of 16. Only where query tiles visit at least "
-    f"{SPLIT_TAIL_MIN_KEY_TILES} key tiles: against whole tiles on the H200 (geometric mean of both orders, "
-    "2026-12-01-s14a) 1.015-1.031x at d128 S=4096-16384, 1.037x at d64 S=4096, 1.009x at 16384, 1.010-1.023x "
-    "at d96, 1.010x at GQA 4, 0.989x at d192; with 4-16 key tiles 0.94-0.99x, and 0.77x at d256 S=512: shorter "
-    "runs pay more for their extra prologues and epilogues than the ragged round costs")
-RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
-
-# (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
-# CTA's register pool (sm90_register_pool; 4 warpgroups: 640 threads launch at 96 registers, a
-# pool of 61440, and 112 hold d64's S, P and O at 64 keys with no spill in SASS)
-SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
-# A window at d > 192: the producer's per-tile window bounds, K/V head and schedule position
-# spilled at 24 registers with GQA or two bounds (7 local loads and stores per tile in SASS); 40
-# leave its loop spill-free, and the d256 consumers' code at 232 is the same as at 240 (no
-# spills; Gemma 2's kernel: 16 fewer instructions, all the producer's). The causal pairs' schedule
-# (its tail's position arithmetic) spilled the same way at d256: 11 local loads and stores.
-SM90_WIDE_WINDOW_SPLIT = (40, 232)
 
 
 def sm90_register_pool(warpgroups: int) -> int:
@@ -530,8 +396,9 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         if f["chain_query_tiles"] else "each query tile ends with its own last P.V and epilogue; chaining them "
         "into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where "
         f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask",
-        "split_tail": SPLIT_TAIL_REASON if f["split_tail"] else SPLIT_TAIL_ELSEWHERE
-        if _split_tail_applies(spec) else f"not {SPLIT_NEEDS}: whole tiles to the end",
+        "split_tail": _split_tail_reason(_sm90_row(spec)) if f["split_tail"] else
+        _sm90_row(spec).split_tail.elsewhere() if _split_tail_applies(spec) else
+        f"not {SPLIT_NEEDS}: whole tiles to the end",
         "split_tail_min_key_tiles": "see split_tail" if f["split_tail"] else "no split tail",
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
@@ -591,10 +458,14 @@ def _split_tail_applies(spec: AttentionSpec) -> bool:
     return not spec.has_mask and _tile_order(spec)[0] == "head_major"
 
 
-def _with_split_tail(p: Plan) -> Plan:
+def _split_tail_reason(row: TileRow) -> str:
+    return f"{SPLIT_TAIL_HOW}. {row.split_tail.reason}"
+
+
+def _with_split_tail(p: Plan, row: TileRow) -> Plan:
     return p.model_copy(update={
-        "split_tail": True, "split_tail_min_key_tiles": SPLIT_TAIL_MIN_KEY_TILES,
-        "reasons": {**p.reasons, "split_tail": SPLIT_TAIL_REASON, "split_tail_min_key_tiles": "see split_tail"}})
+        "split_tail": True, "split_tail_min_key_tiles": row.split_tail.min_key_tiles,
+        "reasons": {**p.reasons, "split_tail": _split_tail_reason(row), "split_tail_min_key_tiles": "see split_tail"}})
 
 
 def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
@@ -616,11 +487,12 @@ def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
             long_split = SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
                                      reason=long.row.reason)
     if _split_tail_applies(spec):  # long launches split their tail (from the long row's start, if any)
-        start = SPLIT_TAIL_MIN_SEQLEN_Q if long_split is None else long_split.min_seqlen_q
-        assert start == SPLIT_TAIL_MIN_SEQLEN_Q, "a long row must start where the split tail does"
+        start = row.split_tail.min_seqlen_q
+        assert long_split is None or long_split.min_seqlen_q == start, "a long row must start where the split tail does"
+        why = row.split_tail.long_reason()
         long_split = SeqlenSplit(
-            label="long", min_seqlen_q=start, plan=_with_split_tail(base if long_split is None else long_split.plan),
-            reason=SPLIT_TAIL_LONG if long_split is None else f"{long_split.reason}; {SPLIT_TAIL_LONG}")
+            label="long", min_seqlen_q=start, plan=_with_split_tail(base if long_split is None else long_split.plan, row),
+            reason=why if long_split is None else f"{long_split.reason}; {why}")
     if long_split is not None:
         splits.append(long_split)
     return tuple(splits)
@@ -740,7 +612,7 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
         ("serial schedule", {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False}),
         ("persistence flipped", {"persistent": not base.persistent, **NO_PAIR_TAIL, **NO_SPLIT_TAIL}),
         ("split tail flipped", NO_SPLIT_TAIL if base.split_tail else
-         {"split_tail": True, "split_tail_min_key_tiles": SPLIT_TAIL_MIN_KEY_TILES})
+         {"split_tail": True, "split_tail_min_key_tiles": _sm90_row(spec).split_tail.min_key_tiles})
         if base.tile_order == "head_major" and not spec.has_mask else None,
         ("causal pairs in whole rounds to the end", NO_PAIR_TAIL)
         if base.pair_tail_rounds else None,

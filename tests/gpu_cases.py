@@ -130,8 +130,8 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
     warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
     Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
-    softcap (merged before the finalize), and d256's long-range plan (one Q buffer, O without a
-    buffer of its own)."""
+    softcap (merged before the finalize), and the long-range plans of d256 and d192 (one Q
+    buffer, O without a buffer of its own; d192's from 2048 query rows)."""
     from fa4gen.planner import plan_for_seqlen
 
     cases = {}
@@ -140,7 +140,8 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
             ("d64", AttentionSpec(head_dim=64, return_lse=True), 1000),
             ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
             ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000),
-            ("d256-long", AttentionSpec(head_dim=256, return_lse=True), 4100)):
+            ("d256-long", AttentionSpec(head_dim=256, return_lse=True), 4100),
+            ("d192-long", AttentionSpec(head_dim=192, head_dim_v=128, return_lse=True), 2100)):
         p = plan_for_seqlen(spec, "sm_90a", seqlen)
         cases[name] = (spec, p.model_copy(update={"split_tail": True, "split_tail_min_key_tiles": 1}))
     return cases
@@ -150,7 +151,8 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import NO_PAIR_TAIL, NO_SPLIT_TAIL, O_STAGING, SM90_REGISTER_SPLIT, sm90_fits, sm90_refit
+    from fa4gen.planner import NO_SPLIT_TAIL, O_STAGING, sm90_fits, sm90_refit
+    from fa4gen.sm90_tables import NO_PAIR_TAIL, SM90_REGISTER_SPLIT
 
     cases = {}
     for name, spec in {

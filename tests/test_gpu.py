@@ -246,13 +246,16 @@ def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
     _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=8)
 
 
+@pytest.mark.parametrize("name, shape", [
+    ("dense-gqa2+lse", (2, 4100, 4200)),  # d128: 33 key tiles of 128, at least the plan's minimum (32)
+    ("vit+lse", (2, 2100, 2150)),  # d64: from 2048 query rows, 17 key tiles (the minimum is 16)
+])
 @pytest.mark.parametrize("ctas", [7, 30])
-def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas):
+def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas, name, shape):
     """The planner's own long-range kernel (split tail from its minimum of key tiles), launched
     on a few CTAs with enough key tiles to split, repeatedly: every output matches the first."""
-    spec = CASES["dense-gqa2+lse"]
+    spec = CASES[name]
     attn = fa4gen.compile(spec)
-    shape = (2, 4100, 4200)  # 33 key tiles of 128, at least the plan's minimum
     kernel_plan = attn.kernel_for(shape[1]).plan
     assert kernel_plan.split_tail and -(-shape[2] // kernel_plan.tile_n) >= kernel_plan.split_tail_min_key_tiles
     _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=3)

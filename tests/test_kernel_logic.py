@@ -25,7 +25,8 @@ from cutlass.cute.runtime import from_dlpack
 import fa4gen
 from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
-from fa4gen.planner import NO_SPLIT_TAIL, PAIR_TAIL_MIN_TILES
+from fa4gen.planner import NO_SPLIT_TAIL
+from fa4gen.sm90_tables import PAIR_TAIL_MIN_TILES
 from fa4gen.kernels.sm90_fwd import TileInfo
 from fa4gen.kernels.variant import VariantArgs
 from fa4gen.runtime import document_tables

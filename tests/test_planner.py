@@ -8,14 +8,8 @@ from pydantic import ValidationError
 from fa4gen.arch import Arch, UnsupportedArchError, arch_for_capability, require_supported
 from fa4gen.planner import (
     MMA_K_GRANULE,
-    PAIR_TAIL_MIN_TILES,
-    PAIR_TAIL_ROUNDS,
-    RESCALE_THRESHOLD_LOG2,
-    SM90_FWD_TILES,
     NO_SPLIT_TAIL,
     SPLIT_NEEDS,
-    SPLIT_TAIL_MIN_KEY_TILES,
-    SPLIT_TAIL_MIN_SEQLEN_Q,
     Plan,
     candidates,
     plan,
@@ -25,6 +19,14 @@ from fa4gen.planner import (
     sm90_register_pool,
     sm90_smem_bytes,
     split_workspace_shape,
+)
+from fa4gen.sm90_tables import (
+    PAIR_TAIL_MIN_TILES,
+    PAIR_TAIL_ROUNDS,
+    RESCALE_THRESHOLD_LOG2,
+    SM90_FWD_TILES,
+    SPLIT_TAIL,
+    SPLIT_TAIL_FROM_2048,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -369,19 +371,24 @@ def test_chained_query_tiles_need_their_kernel_shape(update):
 
 
 def test_long_head_major_launches_split_their_tail():
-    """Every spec without a mask runs the head-major order; its launches of at least
-    SPLIT_TAIL_MIN_SEQLEN_Q query rows run a plan that splits the ragged last round
-    (Plan.split_tail: the long length range, the d96 row's long plan where it has one), shorter
-    ones a plan without it, and both say why; masked specs never split. The kernel's workspace
-    is one slot per CTA and consumer warpgroup."""
-    for split in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=64), AttentionSpec(head_dim=96, softcap=30.0),
-                  AttentionSpec(head_dim=256, sinks=True), AttentionSpec(head_dim=128, score_mod={"kind": "alibi"})):
+    """Every spec without a mask runs the head-major order; its launches from its tile row's
+    split-tail length on (2048 query rows at d64 and d192, measured there; 4096 elsewhere) run a
+    plan that splits the ragged last round (Plan.split_tail: the long length range, the d96
+    row's long plan where it has one), shorter ones a plan without it, and both say why; masked
+    specs never split. The kernel's workspace is one slot per CTA and consumer warpgroup."""
+    for split, row in ((AttentionSpec(head_dim=128), SPLIT_TAIL), (AttentionSpec(head_dim=64), SPLIT_TAIL_FROM_2048),
+                       (AttentionSpec(head_dim=96, softcap=30.0), SPLIT_TAIL),
+                       (AttentionSpec(head_dim=192, head_dim_v=128), SPLIT_TAIL_FROM_2048),
+                       (AttentionSpec(head_dim=256, sinks=True), SPLIT_TAIL),
+                       (AttentionSpec(head_dim=128, score_mod={"kind": "alibi"}), SPLIT_TAIL)):
         base = plan(split, "sm_90a")
-        assert not base.split_tail and "run this plan with a split tail" in base.reasons["split_tail"]
-        long = plan_for_seqlen(split, "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q)
-        assert plan_for_seqlen(split, "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q - 1) != long
-        assert long.split_tail and long.split_tail_min_key_tiles == SPLIT_TAIL_MIN_KEY_TILES
+        assert not base.split_tail and f"at least {row.min_seqlen_q} query rows run this plan with a split tail" \
+            in base.reasons["split_tail"]
+        long = plan_for_seqlen(split, "sm_90a", row.min_seqlen_q)
+        assert plan_for_seqlen(split, "sm_90a", row.min_seqlen_q - 1) != long
+        assert long.split_tail and long.split_tail_min_key_tiles == row.min_key_tiles
         assert long.tile_order == "head_major" and "equal runs of key tiles" in long.reasons["split_tail"]
+        assert row.reason in long.reasons["split_tail"]
         assert not plan_problem(long) and split_workspace_shape(base, 132) is None
         words = 64 * long.head_dim_v_padded // 128 + 4
         assert split_workspace_shape(long, 132) == (132, long.num_consumer_warpgroups, words, 128)
@@ -398,7 +405,7 @@ def test_long_head_major_launches_split_their_tail():
 @pytest.mark.parametrize("update", [{"persistent": False}, {"rotate_key_tiles": True},
                                     {"tile_order": "heavy_first"}, {"skip_masked_tiles": True}])
 def test_split_tail_needs_a_persistent_head_major_launch_without_mask(update):
-    base = plan_for_seqlen(AttentionSpec(head_dim=64), "sm_90a", SPLIT_TAIL_MIN_SEQLEN_Q)
+    base = plan_for_seqlen(AttentionSpec(head_dim=64), "sm_90a", SPLIT_TAIL_FROM_2048.min_seqlen_q)
     assert base.split_tail and not plan_problem(base)
     assert plan_problem(base.model_copy(update=update)) == f"split_tail needs {SPLIT_NEEDS}"
     assert not plan_problem(base.model_copy(update={**update, "split_tail": False}))
@@ -495,7 +502,8 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     causal one), measured faster there; where the variant already runs those tiles there is
     nothing to switch to. Long launches run 144-key tiles at d96 and, without a mask, split
     their tail."""
-    from fa4gen.planner import SM90_D96_SHORT, SM90_FWD_TILES, seqlen_splits
+    from fa4gen.planner import seqlen_splits
+    from fa4gen.sm90_tables import SM90_D96_SHORT
 
     spec = AttentionSpec(**fields)
     splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
@@ -521,8 +529,9 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         assert "at most 1024 query rows" in split.describe()
     if "long" in splits:
         split = splits["long"]
-        assert (split.min_seqlen_q, split.max_seqlen_q) == (4096, None) and "4096 query rows" in split.reason
-        assert "at least 4096 query rows" in split.describe()
+        start = 2048 if spec.head_dim == 64 and not spec.has_mask else 4096  # the d64 row's split tail
+        assert (split.min_seqlen_q, split.max_seqlen_q) == (start, None) and f"{start} query rows" in split.reason
+        assert f"at least {start} query rows" in split.describe()
         assert split.plan.split_tail == (not spec.has_mask) == ("split_tail" in split.reason)
         if split.plan.tile_n != main.tile_n:  # d96: 144-key tiles on the same 3 warpgroups, P through smem
             assert (split.plan.tile_m, split.plan.tile_n, main.tile_n) == (192, 144, 128)

@@ -363,23 +363,19 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         """This consumer warpgroup's O staging tile (its own, over its P tile or Q rows, or the
         one all take in turn) and P tile (None when P stays in registers)."""
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
-        sO, sP = None, None
+        sP = None
         if cutlass.const_expr(not self.p_in_registers):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
-        # the offsets are whole swizzle atoms (stmatrix needs its 16-byte alignment kept)
+        # O's base and the elements between warpgroups' tiles (0: one tile all take in turn)
         if cutlass.const_expr(self.o_over_q):
-            offset = cute.assume(wg * self.q_stage_elems, divby=SMEM_ALIGN // 2)
-            sO = cute.make_tensor(cute.recast_ptr(sQ.iterator + offset, sO_stage.inner, self.dtype), sO_stage.outer)
+            base, stride = sQ.iterator, self.q_stage_elems
         elif cutlass.const_expr(self.o_over_p):
-            offset = cute.assume(wg * self.p_stage_elems, divby=SMEM_ALIGN // 2)
-            o_ptr = cute.recast_ptr(storage.sP.data_ptr() + offset, sO_stage.inner, self.dtype)
-            sO = cute.make_tensor(o_ptr, sO_stage.outer)
-        elif cutlass.const_expr(self.o_shared):
-            sO = cute.make_tensor(cute.recast_ptr(storage.sO.data_ptr(), sO_stage.inner, self.dtype), sO_stage.outer)
+            base, stride = storage.sP.data_ptr(), self.p_stage_elems
         else:
-            offset = cute.assume(wg * cute.cosize(sO_stage), divby=SMEM_ALIGN // 2)
-            o_ptr = cute.recast_ptr(storage.sO.data_ptr() + offset, sO_stage.inner, self.dtype)
-            sO = cute.make_tensor(o_ptr, sO_stage.outer)
+            base, stride = storage.sO.data_ptr(), 0 if self.o_shared else cute.cosize(sO_stage)
+        if cutlass.const_expr(stride > 0):  # whole swizzle atoms: stmatrix keeps its 16-byte alignment
+            base = base + cute.assume(wg * stride, divby=SMEM_ALIGN // 2)
+        sO = cute.make_tensor(cute.recast_ptr(base, sO_stage.inner, self.dtype), sO_stage.outer)
         return sO, sP
 
     @cute.jit

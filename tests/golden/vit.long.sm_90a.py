@@ -34,8 +34,8 @@
 #     head_interleave            1          the head-major order finishes one head's query tiles before the next head's (2 heads interleaved, a tuning candidate, measured 0.95-1.04x per cell, 0.998x over 15 non-causal cells at S=2048-16384 on the H200)
 #     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
-#     split_tail                 True       the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles on 132 SMs take 15.5 tile-times instead of 16. Only where query tiles visit at least 32 key tiles: against whole tiles on the H200 (geometric mean of both orders, 2026-12-01-s14a) 1.015-1.031x at d128 S=4096-16384, 1.037x at d64 S=4096, 1.009x at 16384, 1.010-1.023x at d96, 1.010x at GQA 4, 0.989x at d192; with 4-16 key tiles 0.94-0.99x, and 0.77x at d256 S=512: shorter runs pay more for their extra prologues and epilogues than the ragged round costs
-#     split_tail_min_key_tiles   32         see split_tail
+#     split_tail                 True       the last full round and the ragged one run as equal runs of key tiles, one per CTA, and a tile cut between two CTAs is merged by the one that runs its first key tiles (fa4gen.kernels.sm90_split): 2048 query tiles on 132 SMs take 15.5 tile-times instead of 16. From 2048 query rows and 16 key tiles (128-key tiles at d64 and d192): against whole tiles on the H200 (geometric mean of both orders, 2026-12-01-s17a) 1.020x at d64 S=2048 and 1.028x at d192 S=2048, 1.037x at d64 S=4096 (-s14a); at S=512-1024 0.94-1.01x (d64's 256-row short tiles 0.94x and 0.99x, d192 1.00x and 1.01x)
+#     split_tail_min_key_tiles   16         see split_tail
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          0.0        d64 without a mask: O rescaled every tile, with no branch to skip it, so P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, 2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim 0.91-1.01x (-zw)
@@ -98,7 +98,7 @@ def make_kernel() -> HopperAttentionForward:
         rotate_key_tiles=False,
         chain_query_tiles=False,
         split_tail=True,
-        split_tail_min_key_tiles=32,
+        split_tail_min_key_tiles=16,
         o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=0.0,
