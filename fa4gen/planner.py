@@ -313,6 +313,11 @@ def _mask_runs_apply(spec: AttentionSpec) -> bool:
 
 def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
     """The reason for each sm_90a plan field that follows from the others."""
+    return {**_sm90_tile_reasons(spec, f), **_sm90_overlap_reasons(spec, f), **_sm90_order_reasons(spec, f),
+            **_sm90_memory_reasons(f)}
+
+
+def _sm90_tile_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
     caps = Arch.SM90A.caps
     regs_total = WARPGROUP_THREADS * (f["producer_regs"] + f["num_consumer_warpgroups"] * f["consumer_regs"])
     return {
@@ -334,6 +339,11 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "tiles outside are neither loaded nor computed, and only boundary tiles run mask code"
         if spec.has_mask
         else "no structural mask: every key tile is used; only the ragged last tile is masked",
+    }
+
+
+def _sm90_overlap_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
+    return {
         "intra_warpgroup_overlap": "softmax of tile n runs while the tensor cores do P.V of tile n+1 "
         "(S lives beside the previous P and O: fits the register budget at every tile size in the table)",
         "pingpong": "consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax "
@@ -368,6 +378,11 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 "
         "exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over "
         "22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait",
+    }
+
+
+def _sm90_order_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
+    return {
         "l2_group_bytes": f"the heads of the heaviest-first order go in groups whose K/V fits {f['l2_group_bytes']} "
         "bytes of L2, so the CTAs running together read the same K/V tiles (FlashAttention-3's longest-first order)"
         if f["l2_group_bytes"] else "one group of all heads (L2-sized head groups, a tuning candidate, measured "
@@ -400,6 +415,12 @@ def _sm90_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         _sm90_row(spec).split_tail.elsewhere() if _split_tail_applies(spec) else
         f"not {SPLIT_NEEDS}: whole tiles to the end",
         "split_tail_min_key_tiles": "see split_tail" if f["split_tail"] else "no split tail",
+    }
+
+
+def _sm90_memory_reasons(f: dict) -> dict[str, str]:
+    caps = Arch.SM90A.caps
+    return {
         "persistent": "one CTA per SM loops over tiles, so the producer loads the next tile while "
         "consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)",
         "o_staging": {

@@ -113,74 +113,83 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         self.qhead_per_kvhead = qhead_per_kvhead
         self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
         self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
-        # P feeds P.V from registers, or (when S, P and O together would not fit the register
-        # budget) through a shared-memory tile per consumer warpgroup
+        # P feeds P.V from registers, or through a shared-memory tile per consumer warpgroup
         self.p_in_registers = p_in_registers
         self.num_consumers = num_consumer_warpgroups
         self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
-        self.score_mod = score_mod
-        self.mask_mod = mask_mod
-        # an expression mask comes with a block mask (built on the GPU by fa4gen.blockmask):
-        # per query tile, the list of non-empty key tiles and whether each is full
-        self.block_sparse = mask_mod is not None
-        # with 3 warpgroups a warpgroup's rows often see fewer key tiles than the CTA's 192 rows
-        # (diagonal, rows past Sq): it passes those by (its per-tile count costs registers that
-        # 2-warpgroup kernels at d256 do not have, and there it would rarely skip anything)
-        self.skips_masked_tiles = num_consumer_warpgroups > 2 and mask_mod is None
-        self.sinks = sinks
-        self.extra_names = tuple(extra_names)
-        self.return_lse = return_lse
+        self._init_variant(score_mod, mask_mod, sinks, extra_names, return_lse)
         self.overlap = intra_warpgroup_overlap
         self.pingpong = pingpong and num_consumer_warpgroups > 1
-        # a query tile's first Q.K^T and last P.V take no ping-pong turn (sm90_mainloop.py)
-        self.turnless_edges = turnless_edges
+        # turnless edges: a query tile's first Q.K^T and last P.V take no ping-pong turn
+        # (sm90_mainloop.py); a pinned P.V wait: the overlapped tile's K release follows the softmax
+        self.turnless_edges, self.pinned_pv_wait = turnless_edges, pinned_pv_wait
         self.persistent = persistent
-        self.key_tiles = KeyTileRange(tile_m, tile_n, window_left, window_right, chunk, prefix_lm, document)
-        # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
-        self.has_left_mask = window_left is not None or chunk is not None or document
-        self.has_right_mask = window_right is not None or prefix_lm or document
-        # pairs of causal query tiles keep equal work only while a left window cuts no row
-        pair_limit = None if window_left is None else window_left + 1
-        # key tiles from an offset per query tile (query tile m starts m tiles below the top and
-        # wraps around), so the CTAs of one head read different K/V tiles at a time; only where
-        # no mask bound ties the order to the key positions (the ragged last tile is flagged)
-        self.rotate_key_tiles = rotate_key_tiles
-        assert not rotate_key_tiles or (not self.key_tiles.structural and mask_mod is None), \
-            "rotated key tiles need a kernel without mask bounds"
-        # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
-        # bounds order them (structural masks; a block mask's list has no order)
-        self.mask_runs = mask_runs
-        assert not mask_runs or (self.key_tiles.structural and mask_mod is None), \
-            "mask runs need structural mask bounds and no block mask"
-        # a query tile's first key tile traced again without mask code, run where no bound cuts it
-        # (sm90_mainloop.first_past_starts): only where no right bound cuts it always
-        self.interior_first_tile = interior_first_tile
-        assert not interior_first_tile or (window_right is None and mask_mod is None), \
-            "an interior first key tile needs a kernel without a right bound or block mask"
-        # the overlapped tile's K release follows the softmax, keeping the P.V wait behind it
-        self.pinned_pv_wait = pinned_pv_wait
+        self._init_key_tiles(window_left, window_right, chunk, prefix_lm, document, rotate_key_tiles, mask_runs,
+                             interior_first_tile)
         # the ragged last round's key tiles spread over every CTA (scheduler.py, sm90_split.py):
         # only where every query tile visits the same key tiles in the same order
         self.split_tail = split_tail
         assert not split_tail or (persistent and not self.key_tiles.structural and mask_mod is None
                                   and not rotate_key_tiles), \
             "a split tail needs a persistent launch without mask bounds, block mask or rotated key tiles"
-        self.scheduler = TileScheduler(tile_order, ranked=document, pair_limit=pair_limit, group_bytes=l2_group_bytes,
-                                       qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
-                                       tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles,
-                                       split_tail=split_tail, split_min_keys=split_tail_min_key_tiles)
+        # pairs of causal query tiles keep equal work only while a left window cuts no row
+        self.scheduler = TileScheduler(
+            tile_order, ranked=document, pair_limit=None if window_left is None else window_left + 1,
+            group_bytes=l2_group_bytes, qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
+            tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles, split_tail=split_tail,
+            split_min_keys=split_tail_min_key_tiles)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
-        # O is staged in its own buffer, over the warpgroup's P tile or over its own Q rows, or
-        # in one buffer that the warpgroups take in turn (fa4gen.planner.O_STAGING says what
-        # each costs)
+        self._init_staging(o_staging, chain_query_tiles)
+
+    def _init_variant(self, score_mod, mask_mod, sinks: bool, extra_names: tuple, return_lse: bool):
+        """The variant's own hooks and run-time values (fa4gen.kernels.variant)."""
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        # an expression mask comes with a block mask (built on the GPU by fa4gen.blockmask):
+        # per query tile, the list of non-empty key tiles and whether each is full
+        self.block_sparse = mask_mod is not None
+        # with 3 warpgroups a warpgroup's rows often see fewer key tiles than the CTA's 192 rows
+        # (diagonal, rows past Sq): it passes those by (its per-tile count costs registers that
+        # 2-warpgroup kernels at d256 do not have, and there it would rarely skip anything)
+        self.skips_masked_tiles = self.num_consumers > 2 and mask_mod is None
+        self.sinks, self.extra_names, self.return_lse = sinks, tuple(extra_names), return_lse
+
+    def _init_key_tiles(self, window_left, window_right, chunk, prefix_lm, document, rotate_key_tiles, mask_runs,
+                        interior_first_tile):
+        """The key-tile range of a query tile (structural mask bounds) and the plan options that
+        order or trace its key tiles, each checked against what it needs."""
+        self.key_tiles = KeyTileRange(self.tile_m, self.tile_n, window_left, window_right, chunk, prefix_lm, document)
+        # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
+        self.has_left_mask = window_left is not None or chunk is not None or document
+        self.has_right_mask = window_right is not None or prefix_lm or document
+        # key tiles from an offset per query tile (query tile m starts m tiles below the top and
+        # wraps around), so the CTAs of one head read different K/V tiles at a time; only where
+        # no mask bound ties the order to the key positions (the ragged last tile is flagged)
+        self.rotate_key_tiles = rotate_key_tiles
+        assert not rotate_key_tiles or (not self.key_tiles.structural and self.mask_mod is None), \
+            "rotated key tiles need a kernel without mask bounds"
+        # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
+        # bounds order them (structural masks; a block mask's list has no order)
+        self.mask_runs = mask_runs
+        assert not mask_runs or (self.key_tiles.structural and self.mask_mod is None), \
+            "mask runs need structural mask bounds and no block mask"
+        # a query tile's first key tile traced again without mask code, run where no bound cuts it
+        # (sm90_mainloop.first_past_starts): only where no right bound cuts it always
+        self.interior_first_tile = interior_first_tile
+        assert not interior_first_tile or (window_right is None and self.mask_mod is None), \
+            "an interior first key tile needs a kernel without a right bound or block mask"
+
+    def _init_staging(self, o_staging: str, chain_query_tiles: bool):
+        """Where O is staged: in its own buffer, over the warpgroup's P tile or over its own Q
+        rows, or in one buffer that the warpgroups take in turn (fa4gen.planner.O_STAGING says
+        what each costs); and whether query tiles chain, which needs O in its own buffer."""
         assert o_staging in ("own", "over_p", "over_q", "shared"), o_staging
         self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
         self.o_shared = o_staging == "shared"
-        assert not self.o_over_q or head_dim_v_padded <= head_dim_padded, "O staged over Q needs dv <= d"
-        assert not self.o_over_q or q_stages == 1, "O staged over Q needs a single Q buffer"
-        assert not self.o_over_p or (not p_in_registers and head_dim_v_padded <= tile_n), \
+        assert not self.o_over_q or self.dv <= self.dqk, "O staged over Q needs dv <= d"
+        assert not self.o_over_q or self.q_stages == 1, "O staged over Q needs a single Q buffer"
+        assert not self.o_over_p or (not self.p_in_registers and self.dv <= self.tile_n), \
             "O staged over P needs P in shared memory and dv <= tile_n"
         # a query tile's last P.V issued with the next tile's first Q.K^T (sm90_chain.py)
         self.chain = chain_query_tiles
@@ -210,21 +219,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
         # V as the B operand of P.V: (Dv, S, H, B), Dv contiguous (MN-major)
         vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        W = self.num_consumers
-        # Q and O: one 64-row stage per consumer warpgroup, so each touches only its own rows;
-        # Q buffer b holds stages b*W .. b*W+W-1
-        sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W * self.q_stages
-        )
-        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dv), dtype, W)
-        # P as the A operand of P.V: (64 rows, tile_n keys) per consumer warpgroup
-        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.dv, self.tile_n), dtype, W)
-        sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, self.kv_stages
-        )
-        sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (64, self.dv, self.tile_n), dtype, self.kv_stages
-        )
+        sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout = self._smem_layouts(dtype)
         stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_q_t = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (64, self.dqk))
@@ -233,15 +228,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
         tma_o, tma_o_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), o, cute.slice_(sO_layout, stage), (64, self.dv)
         )
-        self.q_stage_elems = cute.cosize(cute.slice_(sQ_layout, stage))
-        self.p_stage_elems = cute.cosize(cute.slice_(sP_layout, stage))
-        self.q_bytes = W * cute.size_in_bytes(dtype, cute.slice_(sQ_layout, stage))
-        self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
-        self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
-        o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
-        if cutlass.const_expr(self.o_shared):
-            o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile, taken in turn
-        p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
+        o_elems, p_elems = self._stage_sizes(dtype, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout)
 
         @cute.struct
         class SharedStorage:
@@ -266,8 +253,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
             grid_x = cutlass.min(grid_x, num_ctas)
         if cutlass.const_expr(self.split_tail):  # planner.split_workspace_shape
             assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
-            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (W, split_partial_words(self.dv),
-                                                                         WARPGROUP_THREADS)
+            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (
+                self.num_consumers, split_partial_words(self.dv), WARPGROUP_THREADS)
         lse = None
         if cutlass.const_expr(mLSE is not None):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
@@ -281,6 +268,40 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _smem_layouts(self, dtype):
+        """(sQ, sK, sV, sO, sP) shared-memory layouts: Q and O one 64-row stage per consumer
+        warpgroup, so each touches only its own rows (Q buffer b holds stages b*W .. b*W+W-1);
+        K and V one stage per ring slot (V as the B operand of P.V, MN-major); P as the A
+        operand of P.V, (64 rows, tile_n keys) per consumer warpgroup."""
+        W = self.num_consumers
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W * self.q_stages
+        )
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dv), dtype, W)
+        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.dv, self.tile_n), dtype, W)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, self.kv_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (64, self.dv, self.tile_n), dtype, self.kv_stages
+        )
+        return sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout
+
+    def _stage_sizes(self, dtype, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout) -> tuple[int, int]:
+        """Record the stage sizes the kernel's TMA and pointer arithmetic use; return the
+        elements of the O staging and P buffers (0 where O is staged elsewhere, P in registers)."""
+        stage = (None, None, 0)
+        self.q_stage_elems = cute.cosize(cute.slice_(sQ_layout, stage))
+        self.p_stage_elems = cute.cosize(cute.slice_(sP_layout, stage))
+        self.q_bytes = self.num_consumers * cute.size_in_bytes(dtype, cute.slice_(sQ_layout, stage))
+        self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
+        self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
+        o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
+        if self.o_shared:
+            o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile, taken in turn
+        p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
+        return o_elems, p_elems
 
     def _make_qk_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
         mma = sm90_utils.make_trivial_tiled_mma(
