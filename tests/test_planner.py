@@ -529,7 +529,9 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         assert "at most 1024 query rows" in split.describe()
     if "long" in splits:
         split = splits["long"]
-        start = 2048 if spec.head_dim == 64 and not spec.has_mask else 4096  # the d64 row's split tail
+        # where the tile row's long tiles start, or else its split tail (d64: 2048)
+        row = next(r for r in SM90_FWD_TILES if max(spec.head_dim, spec.head_dim_v or 0) <= r.max_head_dim)
+        start = row.long.min_seqlen_q if row.long else row.split_tail.min_seqlen_q
         assert (split.min_seqlen_q, split.max_seqlen_q) == (start, None) and f"{start} query rows" in split.reason
         assert f"at least {start} query rows" in split.describe()
         assert split.plan.split_tail == (not spec.has_mask) == ("split_tail" in split.reason)
