@@ -261,6 +261,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
     chain = row.unmasked_chain if plain else None
+    split_everywhere = row.split_tail.min_seqlen_q <= 1 and _split_tail_applies(spec)  # no length range of its own
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -273,7 +274,8 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_order=tile_order, pair_tail_rounds=PAIR_TAIL_ROUNDS if tile_order == "paired" else 0,
         pair_tail_min_tiles=PAIR_TAIL_MIN_TILES if tile_order == "paired" else 0,
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
-        split_tail=False, split_tail_min_key_tiles=0, o_staging=o_staging,
+        split_tail=split_everywhere, split_tail_min_key_tiles=row.split_tail.min_key_tiles if split_everywhere else 0,
+        o_staging=o_staging,
         exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
@@ -507,8 +509,8 @@ def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
                 _schedule(long_plan) != _schedule(base):
             long_split = SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
                                      reason=long.row.reason)
-    if _split_tail_applies(spec):  # long launches split their tail (from the long row's start, if any)
-        start = row.split_tail.min_seqlen_q
+    start = row.split_tail.min_seqlen_q
+    if _split_tail_applies(spec) and start > 1:  # long launches split their tail (from the long row's start, if any)
         assert long_split is None or long_split.min_seqlen_q == start, "a long row must start where the split tail does"
         why = row.split_tail.long_reason()
         long_split = SeqlenSplit(

@@ -16,7 +16,8 @@ class SplitTail:
     """Where a row's launches split their ragged last round (Plan.split_tail): from
     ``min_seqlen_q`` query rows, a length range of its own (the split's code slows the launches it
     splits nothing in), and there only where the query tiles visit at least ``min_key_tiles`` key
-    tiles; ``reason`` says what was measured."""
+    tiles; ``reason`` says what was measured. ``min_seqlen_q`` 1: every launch, in the row's own
+    plan (no length range: where the code measured no slower, one kernel fewer)."""
 
     min_seqlen_q: int
     min_key_tiles: int
@@ -29,8 +30,10 @@ class SplitTail:
         """Why a plan of the shorter launches keeps whole tiles."""
         return (f"launches of at least {self.min_seqlen_q} query rows run this plan with a split tail (the long "
                 "length range), shorter ones whole tiles: kernels that carry the split tail's code measured "
-                "0.93-0.99x at S <= 2048 where they split nothing (its per-tile merge and segment arithmetic; H200 "
-                "grid 2026-12-01-s14d against -s13d), so short launches run a kernel without it")
+                "0.93-0.99x at S <= 2048 where they split nothing (H200 grid 2026-12-01-s14d against -s13d), and "
+                "still 0.98x at d128 S=512-2048, 0.98-0.99x at d256, 0.98x at d96 S=1024 and d64 S=512 once whole "
+                "tiles no longer weighed O in a merge (both orders, 2026-12-02-s18a/b), so short launches run a "
+                "kernel without it")
 
 
 # persistent head-major launches: T query tiles on G CTAs take ceil(T / G) rounds where T / G would
@@ -45,12 +48,18 @@ SPLIT_TAIL = SplitTail(4096, 32, (
     "1.010-1.023x at d96, 1.010x at GQA 4, 0.989x at d192; with 4-16 key tiles (-s17a) d128 0.90x at S=512, "
     "0.96x at 1024, 0.99x at 2048, d256 0.91x, 0.96x and 0.99x, d96 S=2048 1.015x (not worth a fourth "
     "kernel per spec: its 144-key row starts at 4096): shorter runs pay more for their extra prologues "
-    "and epilogues (and, at d128, the chained tiles' broken chain) than the ragged round costs"))
+    "and epilogues (and, at d128, the chained tiles' broken chain) than the ragged round costs; with the "
+    "merge outside O's registers (-s18a) d128 0.94x, 0.97x and 1.01x, d256 S=1024-2048 0.95x and 0.99x"))
 SPLIT_TAIL_FROM_2048 = SplitTail(2048, 16, (
-    "From 2048 query rows and 16 key tiles (128-key tiles at d64 and d192): against whole tiles on the H200 "
-    "(geometric mean of both orders, 2026-12-01-s17a) 1.020x at d64 S=2048 and 1.028x at d192 S=2048, 1.037x at "
-    "d64 S=4096 (-s14a); at S=512-1024 0.94-1.01x (d64's 256-row short tiles 0.94x and 0.99x, d192 1.00x and "
-    "1.01x)"))
+    "From 2048 query rows and 16 key tiles (d64's 128-key tiles): against whole tiles on the H200 (geometric "
+    "mean of both orders, 2026-12-01-s17a) 1.020x at S=2048, 1.037x at S=4096 (-s14a); the 256-row short tiles "
+    "0.94x and 0.99x at S=512-1024"))
+
+SPLIT_TAIL_EVERY_LENGTH = SplitTail(1, 16, (
+    "At every length, from 16 key tiles (128-key tiles at d192, dv 128): the split's code in the kernel of "
+    "shorter launches, where it splits nothing, measured 1.006x at S=512 and 1.025x at S=1024 against the "
+    "kernel without it (geometric means of both orders on the H200, 2026-12-02-s18b; 1.024x at S=1024 in "
+    "-s18a), so one kernel serves every length; split, 1.028x at S=2048 (-s17a)"))
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             "and GQA 4, 0.995x at S=512 (2026-12-01-s13c); causal d128 measured 0.98-1.00x, d96 and causal d64 on "
             "128-row tiles 0.93-0.96x, and they keep it off"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which "
-            "leaves room for one warpgroup's O", split_tail=SPLIT_TAIL_FROM_2048),
+            "leaves room for one warpgroup's O", split_tail=SPLIT_TAIL_EVERY_LENGTH),
     TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, "
             "which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q "
             "(224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, "

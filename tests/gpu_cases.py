@@ -130,8 +130,9 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
     warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
     Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
-    softcap (merged before the finalize), and the long-range plans of d256 and d192 (one Q
-    buffer, O without a buffer of its own; d192's from 2048 query rows)."""
+    softcap (the row statistics merged before the finalize weighs in the sink, the partial O
+    added after it), and the long-range plans of d256 and d192 (one Q buffer, O without a
+    buffer of its own; d192's one plan splits at every length)."""
     from fa4gen.planner import plan_for_seqlen
 
     cases = {}

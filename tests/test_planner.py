@@ -26,6 +26,7 @@ from fa4gen.sm90_tables import (
     RESCALE_THRESHOLD_LOG2,
     SM90_FWD_TILES,
     SPLIT_TAIL,
+    SPLIT_TAIL_EVERY_LENGTH,
     SPLIT_TAIL_FROM_2048,
 )
 from fa4gen.spec import AttentionSpec
@@ -372,13 +373,17 @@ def test_chained_query_tiles_need_their_kernel_shape(update):
 
 def test_long_head_major_launches_split_their_tail():
     """Every spec without a mask runs the head-major order; its launches from its tile row's
-    split-tail length on (2048 query rows at d64 and d192, measured there; 4096 elsewhere) run a
+    split-tail length on (2048 query rows at d64, measured there; 4096 elsewhere) run a
     plan that splits the ragged last round (Plan.split_tail: the long length range, the d96
-    row's long plan where it has one), shorter ones a plan without it, and both say why; masked
-    specs never split. The kernel's workspace is one slot per CTA and consumer warpgroup."""
+    row's long plan where it has one), shorter ones a plan without it, and both say why; d192's
+    row splits at every length in its own plan (no length range); masked specs never split. The
+    kernel's workspace is one slot per CTA and consumer warpgroup."""
+    d192 = AttentionSpec(head_dim=192, head_dim_v=128, softcap=30.0)
+    assert plan(d192, "sm_90a").split_tail and not seqlen_splits(d192, "sm_90a")
+    assert plan(d192, "sm_90a").split_tail_min_key_tiles == SPLIT_TAIL_EVERY_LENGTH.min_key_tiles
+    assert SPLIT_TAIL_EVERY_LENGTH.reason in plan(d192, "sm_90a").reasons["split_tail"]
     for split, row in ((AttentionSpec(head_dim=128), SPLIT_TAIL), (AttentionSpec(head_dim=64), SPLIT_TAIL_FROM_2048),
                        (AttentionSpec(head_dim=96, softcap=30.0), SPLIT_TAIL),
-                       (AttentionSpec(head_dim=192, head_dim_v=128), SPLIT_TAIL_FROM_2048),
                        (AttentionSpec(head_dim=256, sinks=True), SPLIT_TAIL),
                        (AttentionSpec(head_dim=128, score_mod={"kind": "alibi"}), SPLIT_TAIL)):
         base = plan(split, "sm_90a")
@@ -492,6 +497,7 @@ def test_tile_order_follows_the_work_per_query_tile(fields, order):
         ({"head_dim": 64, "causal": True, "window_left": 128, "sinks": True}, []),  # already 2 warpgroups
         ({"head_dim": 128, "causal": True}, []),
         ({"head_dim": 192, "head_dim_v": 128, "causal": True}, []),
+        ({"head_dim": 192, "head_dim_v": 128}, []),  # the split tail in its one plan
         ({"head_dim": 256}, ["long"]),
         ({"head_dim": 256, "causal": True}, []),  # 64-key tiles at every length
     ],

@@ -6,10 +6,11 @@ query rows of the CTA's tile_m: S = Q.K^T (wgmma, both operands in shared memory
 modifier + mask + online softmax in registers, O += P.V (wgmma, P from registers); see
 sm90_mainloop.py. K and V have separate mbarrier pipelines so a K stage is released as soon as S
 is computed. O leaves through shared memory (its own buffer, whose store runs on into the next
-tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges. A
-persistent launch (one CTA per SM) walks the plan's tile order (scheduler.py); the producer runs
-ahead into the next tile while consumers finish the last, and hands each tile's position and
-key-tile bounds to the consumers with its Q buffer (``publish_tile``).
+tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges
+(sm90_epilogue.py). A persistent launch (one CTA per SM) walks the plan's tile order
+(scheduler.py); the producer runs ahead into the next tile while consumers finish the last, and
+hands each tile's position and key-tile bounds to the consumers with its Q buffer
+(``publish_tile``).
 
 Variants plug in without touching this machinery: the score hook (score_mod) and expression
 mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
@@ -35,12 +36,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from fa4gen.kernels.layout import convert_into, rows_cols_view
+from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
-from fa4gen.kernels.sm90_mainloop import (EPILOGUE_BARRIER_BASE, O_TURN_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState,
-                                         Sm90MainLoop)
+from fa4gen.kernels.sm90_epilogue import Sm90Epilogue, TileInfo
+from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
 from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
@@ -49,14 +50,7 @@ from fa4gen.planner import split_partial_words
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
 
 
-class TileInfo:
-    """Sizes of one query tile (values computed once per tile, outside the key-tile loops)."""
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
-
-
-class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
+class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epilogue):
     """One compiled forward kernel. Constructor arguments are all compile-time constants."""
 
     def __init__(
@@ -692,109 +686,3 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail):
             t.split = held.where[3]
         t.row_base = t.m_block * self.tile_m + wg * 64
         return t
-
-    @cute.jit
-    def stage_o(self, loop, sO: cute.Tensor):
-        """Round O to the output type and write it to its staging tile with stmatrix (8x8 16-bit
-        matrices, a quarter of the shared-memory stores of element pairs)."""
-        pv_mma = self._make_pv_mma()
-        stmatrix = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                          pv_mma)
-        thr_store = stmatrix.get_slice(loop.wtidx)
-        o_low = cute.make_rmem_tensor(pv_mma.get_slice(loop.wtidx).partition_shape_C((64, self.dv)), self.dtype)
-        convert_into(loop.acc_o, o_low)
-        cute.copy(stmatrix, thr_store.retile(o_low), thr_store.partition_D(sO))
-
-    @cute.jit
-    def tma_store_o(self, loop, sO, tma_o, mO, t, wg: Int32):
-        """Stage the normalised O in shared memory (its own buffer, over this warpgroup's P tile
-        or Q rows, or the shared one in its turn; stmatrix) and TMA-store it, clipped to Sq rows
-        and Dv columns."""
-        barrier = EPILOGUE_BARRIER_BASE + wg
-        storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
-        if cutlass.const_expr(self.o_shared):
-            self.wait_o_turn(wg)  # the previous warpgroup's store has read the buffer
-        elif cutlass.const_expr(not self.o_over_q):
-            # O has its own buffer (or P's, which every warp's last P.V has read once all pass
-            # the barrier): the previous tile's store was left running; it must have read the
-            # buffer before this tile overwrites it (long done by now, as a rule)
-            self.o_store_has_read(wg)
-        self.stage_o(loop, sO)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
-        gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))
-        tOs, tOg = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        if storing:
-            cute.copy(tma_o, tOs, tOg[None, t.m_block * self.num_consumers + wg])
-            cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.o_over_q):
-            # O sits over Q's rows: the next tile's Q may load only once the store has read them
-            self.o_store_has_read(wg)
-        if cutlass.const_expr(self.o_shared):
-            self.pass_o_turn(wg, storing)
-
-    @cute.jit
-    def wait_o_turn(self, wg: Int32):
-        """O in one buffer for all warpgroups (taken in warpgroup order, tile by tile): wait
-        until the previous warpgroup's store has read it (the warpgroup and the previous one's
-        storing warp meet at this warpgroup's barrier)."""
-        cute.arch.barrier(barrier_id=O_TURN_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS + 32)
-
-    @cute.jit
-    def pass_o_turn(self, wg: Int32, storing):
-        """Hand the shared O buffer to the next warpgroup once this one's store has read it (only
-        the storing warp waits for that)."""
-        if storing:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            following = (wg + 1) % self.num_consumers
-            cute.arch.barrier_arrive(barrier_id=O_TURN_BARRIER_BASE + following,
-                                     number_of_threads=WARPGROUP_THREADS + 32)
-
-    @cute.jit
-    def await_o_store(self, wg: Int32):
-        """O staged over P: the previous tile's O store must have read this warpgroup's P tile
-        before the first P of the next tile overwrites it (the main loop calls this once per
-        query tile, while its first Q.K^T runs; the store is long done as a rule)."""
-        if cutlass.const_expr(self.o_over_p):
-            self.o_store_has_read(wg)
-
-    @cute.jit
-    def o_store_has_read(self, wg: Int32):
-        """Wait until this warpgroup's last O store has read its staging tile: the warp that
-        issued it waits for the bulk copies' reads, the warpgroup's barrier passes it on."""
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:  # the warp that issues the store
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
-
-    @cute.jit
-    def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
-        """The end of a query tile: its output (``store_output``). In a split tail every tile runs
-        the same steps, each empty where its role does not take it (sm90_split.py): merge a
-        partial (a finisher), leave one (a writer), write the output (a writer's goes past the
-        last row, where the TMA store clips it away and no LSE row is written)."""
-        if cutlass.const_expr(self.split_tail):
-            self.merge_partial(loop, t.split, wg)
-            self.write_partial(loop, t.split, wg)
-            past = cute.ceil_div(seqlen_q, self.tile_m)  # a query tile wholly past Sq
-            m_block = Int32(cutlass.select_(t.split < 0, past, t.m_block))
-            t = TileInfo(m_block=m_block, head=t.head, batch=t.batch, row_base=m_block * self.tile_m + wg * 64)
-        self.store_output(loop, sO, tma_o, mO, mLSE, t, wg, seqlen_q)
-
-    @cute.jit
-    def store_output(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
-        """Normalise O, store it (``tma_store_o``) and write the LSE."""
-        lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        sink = None
-        if cutlass.const_expr(self.sinks):
-            sink = Float32(loop.args.sinks[t.head])
-        self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink)
-        self.tma_store_o(loop, sO, tma_o, mO, t, wg)
-        if cutlass.const_expr(self.return_lse):
-            coords = rows_cols_view(loop.coords_s)
-            if coords[0, 0][1] == 0:
-                for r in cutlass.range_constexpr(2):
-                    row = t.row_base + coords[r, 0][0]
-                    if row < seqlen_q:
-                        mLSE[row, t.head, t.batch] = lse[r]

@@ -11,8 +11,9 @@ tile may be cut between CTAs c and c + 1. Both run the ordinary main loop over t
 - the finisher (CTA c, the first key tiles, last of its run) waits until the flag counts all
   128 writer threads (acquire), lowers it again for the next launch (only then: a single raise
   by every thread would let a late one come after the lowering and leave it up, so that the next
-  launch read a stale partial), merges the partial into its own registers as the online softmax
-  merges two key ranges, and writes the output as for a whole tile.
+  launch read a stale partial), merges the row statistics as the online softmax merges two key
+  ranges, and writes the output as for a whole tile, the partial O added at its weight while O
+  is rounded for the store.
 Each thread stores and loads its own accumulator fragment, so no layout is shared but the
 kernel's own, and consecutive threads touch consecutive words. The writer's run starts with its
 part of the cut tile, so its flag rises while the finisher is still busy with its own whole
@@ -25,8 +26,11 @@ Two rules keep ptxas from serializing the kernel's wgmmas (C7519/C7520: a warpgr
 wait at every wgmma, 0.57x at d128 on the H200 even with no tile cut): no branch depends on the
 thread (every thread counts itself into the flag; every warp spins on it with a vote as the
 loop's condition), and O's registers, the P.V accumulator, are changed the same way on every path (the
-merge runs for every tile, only its loads are in a branch; a writer's output is written too,
-past the last row, where the TMA store clips it away).
+statistics merge runs for every tile, only its loads are in a branch; the partial O goes into the
+rounded copy that the store stages, in a branch that only reads the accumulator; a writer's output
+is written too, past the last row, where the TMA store clips it away). Whole tiles pay no
+arithmetic per O element for the split: an earlier merge that weighed every tile's O (with an
+empty partial) cost the kernels 0.93-0.99x at S <= 2048.
 """
 
 from __future__ import annotations
@@ -78,21 +82,21 @@ class Sm90SplitTail:
             cute.arch.atomic_add(self._flag(loop, -split - 1, wg), Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def merge_partial(self, loop, split: Int32, wg: Int32):
-        """Fold a finisher's partial (``split`` > 0: its slot + 1) into O and the row statistics,
-        once the writer's count is complete: both are rescaled to the larger row max (a row that
-        saw no key keeps max -inf and contributes 0, never NaN). A whole tile (``split`` 0)
-        merges an empty partial, which leaves O as it is: the arithmetic is unconditional, so O's
-        registers have one definition (a conditional merge of the wgmma accumulator made ptxas
-        copy it around the next wgmma, C7519), and only loads are in branches, a chunk of
-        MERGE_CHUNK words at a time (a whole second O fragment spilled at dv = 256)."""
-        out = rows_cols_view(loop.acc_o)
-        rows, cols = cute.size(out, mode=[0]), cute.size(out, mode=[1])
+    def merge_stats(self, loop, split: Int32, wg: Int32) -> cute.Tensor:
+        """Fold a finisher's partial row statistics (``split`` > 0: its slot + 1) into its own,
+        once the writer's count is complete: both sides are weighed at the larger row max (a row
+        that saw no key keeps max -inf and contributes 0, never NaN). Returns each row's weight
+        of the own O, then of the writer's (``finalize`` folds 1 / sum into both; ``add_partial``
+        uses the second). A whole tile (``split`` 0) merges empty statistics, weights 1 and 0:
+        O's registers are left to the plain finalize on every path (a conditional change of the
+        wgmma accumulator made ptxas copy it around the next wgmma, C7519), and the partial O is
+        added only while it is rounded for the store (``add_partial``), outside the accumulator."""
+        rows = cute.size(rows_cols_view(loop.acc_o), mode=[0])
+        cols = cute.size(rows_cols_view(loop.acc_o), mode=[1])
         stats = cute.make_rmem_tensor(cute.make_layout(2 * rows), Float32)  # maxima, then sums
         for r in cutlass.range_constexpr(rows):
             stats[r] = -Float32.inf
             stats[rows + r] = Float32(0.0)
-        work = loop.split_work[cutlass.max(split - 1, 0), wg, None, loop.wtidx]
         if split > 0:
             flag = self._flag(loop, split - 1, wg)
             seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
@@ -104,6 +108,7 @@ class Sm90SplitTail:
             # writer thread has counted in: no late arrival can raise it again)
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
             cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
+            work = loop.split_work[split - 1, wg, None, loop.wtidx]
             for i in cutlass.range_constexpr(2 * rows):
                 stats[i] = work[rows * cols + i]
         scale = Float32(self.softmax.scale_log2)
@@ -117,13 +122,25 @@ class Sm90SplitTail:
             weights[rows + r] = cute.math.exp2(stats[r] * scale - safe * scale, fastmath=True)
             loop.row_sum[r] = loop.row_sum[r] * weights[r] + stats[rows + r] * weights[rows + r]
             loop.row_max[r] = top
-        width = MERGE_CHUNK if cols % MERGE_CHUNK == 0 else 4  # (dv is a multiple of 16: 4 divides dv / 4)
-        chunk = cute.make_rmem_tensor(cute.make_layout(width), Float32)
-        for r in cutlass.range_constexpr(rows):
-            for c0 in cutlass.range_constexpr(0, cols, width):
-                chunk.fill(0.0)
-                if split > 0:
+        return weights
+
+    @cute.jit
+    def add_partial(self, loop, o_low: cute.Tensor, split: Int32, weights: cute.Tensor, wg: Int32):
+        """A finisher (``split`` > 0) rounds its output again, now with the writer's O added at
+        its weight (``weights`` after ``finalize``: the own O is already normalised in place),
+        into ``o_low``, the 16-bit fragment the store stages: only ``o_low`` changes in the
+        branch, never the accumulator. Loads go MERGE_CHUNK words at a time (a whole second O
+        fragment spilled at dv = 256)."""
+        if split > 0:
+            out = rows_cols_view(loop.acc_o)
+            low = rows_cols_view(o_low)
+            rows, cols = cute.size(out, mode=[0]), cute.size(out, mode=[1])
+            work = loop.split_work[split - 1, wg, None, loop.wtidx]
+            width = MERGE_CHUNK if cols % MERGE_CHUNK == 0 else 4  # (dv is a multiple of 16: 4 divides dv / 4)
+            chunk = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+            for r in cutlass.range_constexpr(rows):
+                for c0 in cutlass.range_constexpr(0, cols, width):
                     for j in cutlass.range_constexpr(width):
                         chunk[j] = work[r * cols + c0 + j]
-                for j in cutlass.range_constexpr(width):
-                    out[r, c0 + j] = out[r, c0 + j] * weights[r] + chunk[j] * weights[rows + r]
+                    for j in cutlass.range_constexpr(width):
+                        low[r, c0 + j] = (out[r, c0 + j] + chunk[j] * weights[rows + r]).to(o_low.element_type)

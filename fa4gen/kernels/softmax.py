@@ -117,12 +117,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def finalize(self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
-                 sink=None):
+                 sink=None, weights=None):
         """Normalise the output rows; write each row's natural-log LSE (-inf for empty rows).
 
         ``sink`` (a natural-log logit, or None): one more term exp(sink) in every row's
         denominator that carries no value (attention sinks); a row that sees no key then gets
-        O = 0 and LSE = sink."""
+        O = 0 and LSE = sink. ``weights`` (2 x rows, or None): a split tile's weight of the own
+        O per row (applied here) and of another partial O (row_sum already counts both; the
+        normalisation is folded into it in place, for the caller to add that O with)."""
         scale = Float32(self.scale_log2)
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=QUAD)
@@ -139,5 +141,9 @@ class OnlineSoftmax:
             if total > Float32(0.0):
                 inv = cute.arch.rcp_approx(total) * weight
                 lse[r] = (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+            if cutlass.const_expr(weights is not None):
+                rows = cute.size(out_mn, mode=[0])
+                weights[rows + r] = weights[rows + r] * inv
+                inv = inv * weights[r]
             for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
                 out_mn[r, c] = out_mn[r, c] * inv
