@@ -18,5 +18,8 @@ for job in ${JOBS:-merge forced carry turnless kv3}; do
     turnless) ab turnless old64 c64turnless "";;
     kv3) ab kv3 old64 c64kv3 "";;
     carry2) ab carry2 old2 carry2 "";;
+    carry3) ab carry3 old carry3 "^bfloat16 (d128 S=(512|1024|2048)|d256 S=(1024|2048))$";;
+    forced3) ab forced3 old forced3 "^bfloat16 (d128 S=(512|1024|2048)|d256 S=(1024|2048))$";;
+    new3) ab new3 new new3 "^bfloat16 (d128 S=(4096|16384)|d64 S=(2048|16384))$";;
   esac
 done
