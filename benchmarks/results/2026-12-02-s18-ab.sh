@@ -20,6 +20,9 @@ for job in ${JOBS:-merge forced carry turnless kv3}; do
     carry2) ab carry2 old2 carry2 "";;
     carry3) ab carry3 old carry3 "^bfloat16 (d128 S=(512|1024|2048)|d256 S=(1024|2048))$";;
     forced3) ab forced3 old forced3 "^bfloat16 (d128 S=(512|1024|2048)|d256 S=(1024|2048))$";;
+    turnless128) ab turnless128 cur turnless128 "^bfloat16 (d128 S=(512|1024|2048)|d128 gqa4 S=4096)$";;
+    nopp128) ab nopp128 cur nopp128 "^bfloat16 (d128 S=(512|1024|2048)|d128 gqa4 S=4096)$";;
+    pp256) ab pp256 cur pp256 "^bfloat16 d256";;
     new3) ab new3 new new3 "^bfloat16 (d128 S=(4096|16384)|d64 S=(2048|16384))$";;
   esac
 done
