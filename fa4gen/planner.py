@@ -261,7 +261,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
     chain = row.unmasked_chain if plain else None
-    split_everywhere = row.split_tail.min_seqlen_q <= 1 and _split_tail_applies(spec)  # no length range of its own
+    split_everywhere = row.split_tail.every_length and _split_tail_applies(spec)
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
@@ -509,8 +509,8 @@ def _splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
                 _schedule(long_plan) != _schedule(base):
             long_split = SeqlenSplit(label="long", min_seqlen_q=long.min_seqlen_q, plan=long_plan,
                                      reason=long.row.reason)
-    start = row.split_tail.min_seqlen_q
-    if _split_tail_applies(spec) and start > 1:  # long launches split their tail (from the long row's start, if any)
+    if _split_tail_applies(spec) and not row.split_tail.every_length:  # long launches split their tail
+        start = row.split_tail.min_seqlen_q  # (from the long row's start, if any)
         assert long_split is None or long_split.min_seqlen_q == start, "a long row must start where the split tail does"
         why = row.split_tail.long_reason()
         long_split = SeqlenSplit(

@@ -23,6 +23,11 @@ class SplitTail:
     min_key_tiles: int
     reason: str
 
+    @property
+    def every_length(self) -> bool:
+        """Whether every launch splits, in the row's own plan (no length range of its own)."""
+        return self.min_seqlen_q <= 1
+
     def long_reason(self) -> str:
         return f"from {self.min_seqlen_q} query rows the ragged last round of tiles is split between CTAs (split_tail)"
 

@@ -27,7 +27,7 @@ from fa4gen.kernels.layout import rows_cols_view
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.planner import NO_SPLIT_TAIL
 from fa4gen.sm90_tables import PAIR_TAIL_MIN_TILES
-from fa4gen.kernels.sm90_fwd import TileInfo
+from fa4gen.kernels.sm90_epilogue import TileInfo
 from fa4gen.kernels.variant import VariantArgs
 from fa4gen.runtime import document_tables
 from fa4gen.testing import visible_keys
