@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import variants as V  # noqa: E402
 
 CELLS = [(dict(head_dim=64), (512, 1024, 2048, 4096, 16384)), (dict(head_dim=128), (512, 1024, 2048, 4096, 8192, 16384)),
-         (dict(head_dim=128, qhead_per_kvhead=4), (4096,)),
+         (dict(head_dim=128, qhead_per_kvhead=4), (1024, 4096)), (dict(head_dim=128, qhead_per_kvhead=8), (1024, 2048)),
          (dict(head_dim=192, head_dim_v=128), (512, 1024, 2048, 4096, 16384)),
-         (dict(head_dim=256), (512, 1024, 2048, 4096, 8192, 16384)), (dict(head_dim=96), (1024, 2048, 4096, 8192, 16384)),
+         (dict(head_dim=256), (512, 1024, 2048, 4096, 8192, 16384)), (dict(head_dim=96), (512, 1024, 2048, 4096, 8192, 16384)),
          (dict(head_dim=96, causal=True), (4096, 16384)), (dict(head_dim=64, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
          (dict(head_dim=192, head_dim_v=128, causal=True), (512, 1024, 4096, 16384)),
          (dict(head_dim=256, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),

@@ -1,7 +1,15 @@
 """Compare two kernels' main loops from Nsight Compute's per-instruction SASS tables (the CSV
-files ``ncu_counters.py --out-dir`` writes on the GPU machine):
+files ``ncu_counters.py --out-dir`` writes on the GPU machine), or place one kernel's time by
+how often its code runs:
 
     python benchmarks/sass_stalls.py OURS.csv PEER.csv [TOP]
+    python benchmarks/sass_stalls.py counts KERNEL.csv [GROUPS [TOP]]
+
+``counts`` groups the instructions by their execution count (code that runs once per key tile,
+once per query tile, once per CTA, ... has one count each) and prints each group's share of the
+stall samples, its instruction range and samples per execution, then the TOP instructions of
+the GROUPS heaviest groups with their largest stall reasons. Samples per execution of a query
+tile's prologue against the main loop's say what a query tile costs beyond its key tiles.
 
 The main loop is the set of instructions executed most often (every one of its instructions
 runs once per warp and key tile). For each kernel it prints the loop's size, its warp-stall
@@ -95,7 +103,39 @@ def compare(ours: str, peer: str, top: int = 20) -> None:
             print(f"{i.index:6d} {i.samples / iterations * 1000:7.1f}  {i.text[:58]:58}  {shown}")
 
 
+def _reasons(i: Instruction, scale: float) -> str:
+    reasons = sorted(((n, s[6:]) for s, n in i.stalls.items()), reverse=True)[:3]
+    return ", ".join(f"{name} {n * scale:.2f}%" for n, name in reasons if n)
+
+
+def by_count(path: str, groups: int = 4, top: int = 12) -> None:
+    """The kernel's stall samples by the execution count of its instructions (see the docstring)."""
+    instructions = load(path)
+    total = sum(i.samples for i in instructions) or 1
+    grouped = collections.defaultdict(list)
+    for i in instructions:
+        grouped[i.executed].append(i)
+    ranked = sorted(grouped.items(), key=lambda item: -sum(i.samples for i in item[1]))
+    print(f"{path}: {len(instructions)} instructions, {total} stall samples")
+    print(f"{'executions':>11} {'instrs':>6} {'first':>6} {'last':>6} {'samples':>8} {'per 1k exec':>11}")
+    for executed, members in ranked:
+        samples = sum(i.samples for i in members)
+        if samples / total < 0.001:
+            continue
+        per = samples / executed * 1000 if executed else 0.0
+        print(f"{executed:11d} {len(members):6d} {members[0].index:6d} {members[-1].index:6d} "
+              f"{samples / total:8.2%} {per:11.2f}")
+    scale = 100 / total
+    for executed, members in ranked[:groups]:
+        print(f"\nexecuted {executed} times: the {top} instructions with the most samples (% of all)")
+        for i in sorted(sorted(members, key=lambda i: -i.samples)[:top], key=lambda i: i.index):
+            print(f"{i.index:6d} {i.samples * scale:6.2f}%  {i.text[:58]:58}  {_reasons(i, scale)}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    if len(sys.argv) >= 3 and sys.argv[1] == "counts":
+        by_count(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+    elif len(sys.argv) >= 3:
+        compare(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 20)
+    else:
         sys.exit(__doc__)
-    compare(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 20)

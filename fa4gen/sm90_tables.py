@@ -163,7 +163,10 @@ SM90_FWD_TILES: tuple[TileRow, ...] = (
             "Q.K^T and its epilogue runs during that tile's first softmax (fa4gen.kernels.sm90_chain): geometric "
             "means of 6 order-alternating A/Bs per cell on the H200, 1.020x at S=1024, 1.003-1.007x at S=2048-16384 "
             "and GQA 4, 0.995x at S=512 (2026-12-01-s13c); causal d128 measured 0.98-1.00x, d96 and causal d64 on "
-            "128-row tiles 0.93-0.96x, and they keep it off"),
+            "128-row tiles 0.93-0.96x, and they keep it off. The producer sends the next tile's Q one key tile "
+            "into this one (q_ahead; Nsight Compute put 2.6% of the S=1024 kernel's stall samples on the consumers' "
+            "Q wait): 1.026x at S=512, 1.020x at 1024, 1.007x at 2048, 1.016-1.018x at GQA 4 and 8 S=1024, "
+            "0.99-1.00x from 4096; unchained kernels 0.96-1.01x (both orders, 2026-12-02-s19a)"),
     TileRow(192, 2, 128, 2, False, 0, "d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which "
             "leaves room for one warpgroup's O", split_tail=SPLIT_TAIL_EVERY_LENGTH),
     TileRow(256, 2, 64, 2, False, 0, "d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, "

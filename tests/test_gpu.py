@@ -217,7 +217,7 @@ def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, name):
 SPLIT_CASES = split_tail_cases()
 
 
-def _split_launches(monkeypatch, spec, attn, shape, ctas: int, repeats: int) -> None:
+def _launches_on_ctas(monkeypatch, spec, attn, shape, ctas: int, repeats: int) -> None:
     """Launch on ``ctas`` CTAs: the output against the reference, then ``repeats`` launches more,
     each bit-identical to the first."""
     import torch
@@ -243,7 +243,22 @@ def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
     spec, kernel_plan = SPLIT_CASES[name]
     attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
     assert attn.kernel_for(shape[1]).plan.split_tail
-    _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=8)
+    _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=8)
+
+
+@pytest.mark.parametrize("shape", [(3, 700, 1000), (2, 1000, 300), (2, 300, 200), (2, 1000, 17)],
+                         ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+def test_chained_tiles_on_few_ctas(monkeypatch, ctas, shape):
+    """The chained d128 kernel (Plan.chain_query_tiles) on fewer CTAs than query tiles: each CTA
+    holds tile after tile across heads and batch entries. Where a tile visits 3 key tiles or
+    more, the producer publishes the next tile with its Q one key tile in (q_ahead: 8 and 3 key
+    tiles here); with 2 or 1 the next tile's own loads do. Launched again, bit-identical."""
+    spec = CASES["dense-gqa2+lse"]
+    attn = fa4gen.compile(spec)
+    kernel_plan = attn.kernel_for(shape[1]).plan
+    assert kernel_plan.chain_query_tiles and kernel_plan.q_stages == 2 and not kernel_plan.split_tail
+    _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=2)
 
 
 @pytest.mark.parametrize("name, shape", [
@@ -258,7 +273,7 @@ def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas, name, shap
     attn = fa4gen.compile(spec)
     kernel_plan = attn.kernel_for(shape[1]).plan
     assert kernel_plan.split_tail and -(-shape[2] // kernel_plan.tile_n) >= kernel_plan.split_tail_min_key_tiles
-    _split_launches(monkeypatch, spec, attn, shape, ctas, repeats=3)
+    _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=3)
 
 
 def test_split_tail_in_a_cuda_graph(monkeypatch):

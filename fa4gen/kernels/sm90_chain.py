@@ -15,6 +15,10 @@ producer loads the next tiles meanwhile. Every warpgroup of the CTA runs the sam
 each takes the same turns: one per chained step where the unchained kernel takes two (the last
 P.V and the next first Q.K^T), and the turn ring stays in step.
 
+With two Q buffers the producer sends the next tile's Q one key tile into this one
+(``HopperAttentionForward.q_ahead``): the chained step issues the held P.V with the new tile's
+first Q.K^T, so a Q that arrives late stalls both.
+
 The chain needs O's staging buffer to be free of Q and P (the next tile's Q and first P are
 written before the held O is staged) and every warpgroup to visit every key tile (no skipped
 tiles, whose turns differ per warpgroup): the planner applies it only there.
