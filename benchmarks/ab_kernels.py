@@ -7,6 +7,7 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     python benchmarks/ab_kernels.py build .devcache/ab-t176 'd128' tile_n=176     # a plan variant
     python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
     python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS [REGEX]]   # new: the kernel cache
+    python benchmarks/ab_kernels.py combine A-B.log B-A.log       # both orders of one pair, combined
 
 ``build`` compiles, with whichever fa4gen the interpreter imports, the kernels of some grid cells
 (each cell's plan as the planner picks it for its length) and of the variants with structural
@@ -21,7 +22,9 @@ match it) and the new side likewise, or with ``current`` through fa4gen.compile 
 tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
 of each (order alternating), and prints new/old per label, the geometric mean, and packed
 documents against the dense causal kernel per useful FLOP; each grid cell's new kernel is also
-checked against the fp32 reference (first batch entry and KV head).
+checked against the fp32 reference (first batch entry and KV head). ``combine`` reads the logs of
+one pair run in both orders (A as old, then B as old) and prints B/A per label from each, their
+geometric mean and the mean over the labels: the figure an A/B is decided by.
 Session 9 (2026-12-01-u-* in benchmarks/results) measured its masking changes this way.
 """
 
@@ -192,6 +195,33 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
               f"TFLOP/s: {sum(t['documents']) / sum(t['dense']):.3f} per useful FLOP", flush=True)
 
 
+_RESULT = re.compile(r"^(?P<label>.+?)\s+old\s+(?P<old>[\d.]+) new\s+(?P<new>[\d.]+) new/old ")
+
+
+def _results(path: Path) -> dict[str, float]:
+    """label -> new/old TFLOP/s of a ``run`` log."""
+    found = {}
+    for line in path.read_text().splitlines():
+        match = _RESULT.match(line)
+        if match:
+            found[match["label"].strip()] = float(match["new"]) / float(match["old"])
+    return found
+
+
+def combine(forward: Path, backward: Path) -> None:
+    """Two ``run`` logs of the same pair, A->B and B->A: per label B/A from each and their
+    geometric mean (each order's position bias cancels), then the mean over the labels."""
+    first, second = _results(forward), _results(backward)
+    logs = []
+    for label, ratio in first.items():
+        if label in second:
+            both = math.sqrt(ratio / second[label])
+            logs.append(math.log(both))
+            print(f"{label:45} {ratio:.3f} {1 / second[label]:.3f} -> {both:.3f}")
+    if logs:
+        print(f"geometric mean B/A over {len(logs)}, both orders: {math.exp(sum(logs) / len(logs)):.4f}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "build":
         directory = Path(argv[1])
@@ -201,6 +231,8 @@ def main(argv: list[str]) -> None:
     elif len(argv) >= 3 and argv[0] == "run":
         run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8,
             argv[4] if len(argv) > 4 else "")
+    elif len(argv) == 3 and argv[0] == "combine":
+        combine(Path(argv[1]), Path(argv[2]))
     else:
         sys.exit(__doc__)
 
