@@ -7,7 +7,8 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     python benchmarks/ab_kernels.py build .devcache/ab-t176 'd128' tile_n=176     # a plan variant
     python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
     python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS [REGEX]]   # new: the kernel cache
-    python benchmarks/ab_kernels.py combine A-B.log B-A.log       # both orders of one pair, combined
+    python benchmarks/ab_kernels.py both .devcache/ab-a .devcache/ab-b [ROUNDS [REGEX]]  # both orders, combined
+    python benchmarks/ab_kernels.py combine A-B.log B-A.log       # the same from two ``run`` logs
 
 ``build`` compiles, with whichever fa4gen the interpreter imports, the kernels of some grid cells
 (each cell's plan as the planner picks it for its length) and of the variants with structural
@@ -22,9 +23,10 @@ match it) and the new side likewise, or with ``current`` through fa4gen.compile 
 tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
 of each (order alternating), and prints new/old per label, the geometric mean, and packed
 documents against the dense causal kernel per useful FLOP; each grid cell's new kernel is also
-checked against the fp32 reference (first batch entry and KV head). ``combine`` reads the logs of
-one pair run in both orders (A as old, then B as old) and prints B/A per label from each, their
-geometric mean and the mean over the labels: the figure an A/B is decided by.
+checked against the fp32 reference (first batch entry and KV head). ``both`` runs a pair in both
+orders (A as old, then B as old) and prints B/A per label from each, their geometric mean (each
+order's position bias cancels) and the mean over the labels: the figure an A/B is decided by;
+``combine`` prints the same from the logs of two ``run`` calls.
 Session 9 (2026-12-01-u-* in benchmarks/results) measured its masking changes this way.
 """
 
@@ -43,14 +45,21 @@ from fa4gen import bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import variants as V  # noqa: E402
 
-CELLS = [(dict(head_dim=64), (512, 1024, 2048, 4096, 16384)), (dict(head_dim=128), (512, 1024, 2048, 4096, 8192, 16384)),
-         (dict(head_dim=128, qhead_per_kvhead=4), (1024, 4096)), (dict(head_dim=128, qhead_per_kvhead=8), (1024, 2048)),
-         (dict(head_dim=192, head_dim_v=128), (512, 1024, 2048, 4096, 16384)),
-         (dict(head_dim=256), (512, 1024, 2048, 4096, 8192, 16384)), (dict(head_dim=96), (512, 1024, 2048, 4096, 8192, 16384)),
-         (dict(head_dim=96, causal=True), (4096, 16384)), (dict(head_dim=64, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
-         (dict(head_dim=192, head_dim_v=128, causal=True), (512, 1024, 4096, 16384)),
-         (dict(head_dim=256, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
-         (dict(head_dim=128, causal=True, window_left=1024), (4096,)), (dict(head_dim=128, causal=True), (512, 1024, 16384))]
+CELLS = [
+    (dict(head_dim=64), (512, 1024, 2048, 4096, 16384)),
+    (dict(head_dim=128), (512, 1024, 2048, 4096, 8192, 16384)),
+    (dict(head_dim=128, qhead_per_kvhead=4), (1024, 4096)),
+    (dict(head_dim=128, qhead_per_kvhead=8), (1024, 2048)),
+    (dict(head_dim=192, head_dim_v=128), (512, 1024, 2048, 4096, 16384)),
+    (dict(head_dim=256), (512, 1024, 2048, 4096, 8192, 16384)),
+    (dict(head_dim=96), (512, 1024, 2048, 4096, 8192, 16384)),
+    (dict(head_dim=96, causal=True), (4096, 16384)),
+    (dict(head_dim=64, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
+    (dict(head_dim=192, head_dim_v=128, causal=True), (512, 1024, 4096, 16384)),
+    (dict(head_dim=256, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
+    (dict(head_dim=128, causal=True, window_left=1024), (4096,)),
+    (dict(head_dim=128, causal=True), (512, 1024, 16384)),
+]
 STRUCTURAL = ("documents", "sinks + window", "causal window", "Gemma 2", "chunked", "prefix-LM")
 DENSE = "dense causal at the document length"
 
@@ -166,9 +175,10 @@ def _check(label: str, kernel, q, k, v) -> None:
     print(f"{label:45} new vs fp32 reference: error {report['out_err']:.1e} (bound {report['out_bound']:.1e})")
 
 
-def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> None:
+def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> dict[str, float]:
+    """Time each label's old and new kernel (see the module docstring); returns label -> new/old."""
     labels = [name for name in json.loads((old_dir / "index.json").read_text()) if re.search(pattern, name)]
-    gains, documents = [], None
+    gains, documents = {}, None
     for label in labels:
         old, new = _load(old_dir, label), _load(new_dir, label)
         workload = _workload(label, new.spec)
@@ -179,12 +189,12 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
             _check(label, new, q, k, v)
         t = _rounds({"old": old, "new": new}, {"old": workload, "new": workload}, rounds)
         gain = sum(t["new"]) / sum(t["old"])
-        gains.append(gain)
+        gains[label] = gain
         print(f"{label:45} old {sum(t['old']) / rounds:6.1f} new {sum(t['new']) / rounds:6.1f} new/old {gain:.3f} "
               f"max|new-old| {differ:.1e}", flush=True)
         if new.spec.is_varlen:
             documents = (label, new, workload)
-    print(f"geometric mean new/old over {len(gains)}: {math.exp(sum(map(math.log, gains)) / len(gains)):.3f}")
+    print(f"geometric mean new/old over {len(gains)}: {math.exp(sum(map(math.log, gains.values())) / len(gains)):.3f}")
     new_labels = [t[0] for t in _targets()] if new_dir is None else json.loads((new_dir / "index.json").read_text())
     if documents and DENSE in new_labels:
         label, kernel, workload = documents
@@ -209,9 +219,19 @@ def _results(path: Path) -> dict[str, float]:
 
 
 def combine(forward: Path, backward: Path) -> None:
-    """Two ``run`` logs of the same pair, A->B and B->A: per label B/A from each and their
+    """Two ``run`` logs of the same pair, A->B and B->A, combined (``print_combined``)."""
+    print_combined(_results(forward), _results(backward))
+
+
+def both(a_dir: Path, b_dir: Path, rounds: int, pattern: str = "") -> None:
+    """A pair in both orders on the GPU, then combined (``print_combined``)."""
+    first = run(a_dir, b_dir, rounds, pattern)
+    print_combined(first, run(b_dir, a_dir, rounds, pattern))
+
+
+def print_combined(first: dict[str, float], second: dict[str, float]) -> None:
+    """B/A per label from the A->B pass (``first``) and the B->A pass (``second``, A/B), their
     geometric mean (each order's position bias cancels), then the mean over the labels."""
-    first, second = _results(forward), _results(backward)
     logs = []
     for label, ratio in first.items():
         if label in second:
@@ -231,6 +251,8 @@ def main(argv: list[str]) -> None:
     elif len(argv) >= 3 and argv[0] == "run":
         run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8,
             argv[4] if len(argv) > 4 else "")
+    elif len(argv) >= 3 and argv[0] == "both":
+        both(Path(argv[1]), Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8, argv[4] if len(argv) > 4 else "")
     elif len(argv) == 3 and argv[0] == "combine":
         combine(Path(argv[1]), Path(argv[2]))
     else:

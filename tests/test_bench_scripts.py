@@ -72,3 +72,16 @@ def test_combine_cancels_the_position_of_each_order(tmp_path, capsys):
     assert not any(line.startswith("z only") for line in out)
     mean = math.exp((math.log(math.sqrt((106.1 / 100.0) / (102.0 / 104.0))) + 0.0) / 2)
     assert out[-1] == f"geometric mean B/A over 2, both orders: {mean:.4f}"
+
+
+def test_both_runs_the_pair_in_each_order_and_combines(monkeypatch, capsys):
+    passes = []
+
+    def fake_run(old_dir, new_dir, rounds, pattern=""):
+        passes.append((old_dir.name, new_dir.name, rounds, pattern))
+        return {"x S=1024": 1.05} if old_dir.name == "a" else {"x S=1024": 0.99}  # B/A, then A/B
+
+    monkeypatch.setattr(ab_kernels, "run", fake_run)
+    ab_kernels.both(Path("a"), Path("b"), 6, "d128")
+    assert passes == [("a", "b", 6, "d128"), ("b", "a", 6, "d128")]
+    assert capsys.readouterr().out.splitlines()[0].split()[-1] == f"{math.sqrt(1.05 / 0.99):.3f}"
