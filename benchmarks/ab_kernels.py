@@ -203,6 +203,7 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
                     {"documents": workload, "dense": _workload(DENSE, dense.spec)}, rounds)
         print(f"new documents {sum(t['documents']) / rounds:.1f} against dense causal {sum(t['dense']) / rounds:.1f} "
               f"TFLOP/s: {sum(t['documents']) / sum(t['dense']):.3f} per useful FLOP", flush=True)
+    return gains
 
 
 _RESULT = re.compile(r"^(?P<label>.+?)\s+old\s+(?P<old>[\d.]+) new\s+(?P<new>[\d.]+) new/old ")

@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -85,3 +87,38 @@ def test_both_runs_the_pair_in_each_order_and_combines(monkeypatch, capsys):
     ab_kernels.both(Path("a"), Path("b"), 6, "d128")
     assert passes == [("a", "b", 6, "d128"), ("b", "a", 6, "d128")]
     assert capsys.readouterr().out.splitlines()[0].split()[-1] == f"{math.sqrt(1.05 / 0.99):.3f}"
+
+
+def test_run_returns_each_labels_ratio(monkeypatch, tmp_path, capsys):
+    """``run`` (what ``both`` combines) returns new/old per label it timed, from the rounds'
+    sums; the GPU parts (loading, inputs, the reference check, the timing) are stand-ins."""
+    import json
+
+    import torch
+
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    for folder in (old_dir, new_dir):
+        folder.mkdir()
+        (folder / "index.json").write_text(json.dumps({"x S=1024": {}, "x S=2048": {}, "y S=512": {}}))
+
+    class Kernel:
+        spec = type("Spec", (), {"is_varlen": False})()
+
+        def __call__(self, q, k, v):
+            return q
+
+    tensors = [torch.ones(1)] * 3
+    monkeypatch.setattr(ab_kernels, "_load", lambda directory, label: Kernel())
+    monkeypatch.setattr(ab_kernels, "_workload", lambda label, spec: ([tensors], {}, 1.0))
+    monkeypatch.setattr(ab_kernels, "_check", lambda *args: None)
+    speed = {"x S=1024": 1.10, "x S=2048": 0.95}
+    label_of = iter(["x S=1024", "x S=2048"])
+
+    def rounds(functions, workloads, count):
+        new = speed[next(label_of)]
+        return {"old": [100.0] * count, "new": [100.0 * new] * count}
+
+    monkeypatch.setattr(ab_kernels, "_rounds", rounds)
+    gains = ab_kernels.run(old_dir, new_dir, 4, "^x ")
+    assert gains == {label: pytest.approx(ratio) for label, ratio in speed.items()}
+    assert capsys.readouterr().out.splitlines()[-1] == f"geometric mean new/old over 2: {math.sqrt(1.10 * 0.95):.3f}"
