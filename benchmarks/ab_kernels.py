@@ -11,8 +11,8 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     python benchmarks/ab_kernels.py combine A-B.log B-A.log       # the same from two ``run`` logs
 
 ``build`` compiles, with whichever fa4gen the interpreter imports, the kernels of some grid cells
-(each cell's plan as the planner picks it for its length) and of the variants with structural
-masks (benchmarks/variants.py), plus the dense causal kernel the documents compare with (only
+(each cell's plan as the planner picks it for its length) and of the variants
+(benchmarks/variants.py), plus the dense causal kernel the documents compare with (only
 the labels REGEX matches, if given), and copies each entry under DIR by label (DIR/index.json).
 With FIELD=VALUE arguments each plan has those Plan fields changed and is refitted to shared
 memory as ``fa4gen tune``'s candidates are (planner.sm90_variant, sm90_refit: e.g. tile_n=176
@@ -60,7 +60,6 @@ CELLS = [
     (dict(head_dim=128, causal=True, window_left=1024), (4096,)),
     (dict(head_dim=128, causal=True), (512, 1024, 16384)),
 ]
-STRUCTURAL = ("documents", "sinks + window", "causal window", "Gemma 2", "chunked", "prefix-LM")
 DENSE = "dense causal at the document length"
 
 
@@ -80,8 +79,7 @@ def _targets() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
     for fields, seqlens in CELLS:
         spec = fa4gen.AttentionSpec(**fields)
         out += [(f"{spec.summary()} S={s}", spec, _cell_plan(spec, s)) for s in seqlens]
-    out += [(v.name, v.spec, fa4gen.plan(v.spec, "sm_90a")) for v in V.variants()
-            if any(word in v.name for word in STRUCTURAL)]
+    out += [(v.name, v.spec, fa4gen.plan(v.spec, "sm_90a")) for v in V.variants()]
     return out + [(DENSE, _dense_spec(), fa4gen.plan(_dense_spec(), "sm_90a"))]
 
 
