@@ -124,6 +124,35 @@ def test_sass_has_hgmma_and_no_spills(artifacts):
         assert arrive * 2 < hgmma, f"{name}: {arrive} warpgroup arrives for {hgmma} HGMMA: wgmma serialized"
 
 
+def _qk_steps_with_carry(sass: str) -> int:
+    """Q.K^T HGMMAs (A and B both shared-memory descriptors) that continue a chain of k-blocks
+    and were preceded, since the previous HGMMA, by a 64-bit add with carry (UIADD3.X)."""
+    count, since = 0, []
+    for line in sass.splitlines():
+        qk = re.search(r"\bHGMMA\.\S+ R\d+, gdesc\[UR\d+\], (R\d+|RZ)", line)
+        if qk and qk.group(1) != "RZ" and any("UIADD3.X" in earlier for earlier in since):
+            count += 1
+        since = [] if "HGMMA" in line else since + [line]
+    return count
+
+
+def test_q_descriptors_step_without_carry_at_small_head_dims(artifacts):
+    """At d <= 64 the Q.K^T A operand is a view whose offset is known in whole swizzle atoms
+    (HopperAttentionForward.q_rows), so ptxas ORs each k-block's offset into the descriptors:
+    no k-block of a Q.K^T chain waits on a 64-bit add with carry (a plain slice of the Q buffer
+    had one before each; 1.01-1.02x at d64 causal on the H200). Larger d keep the plain slice."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    small = {name: result for name, result in artifacts.items() if result.plan.head_dim_padded <= 64}
+    assert small, "specs/ has no spec with d <= 64"
+    for name, result in small.items():
+        sass = subprocess.run(
+            [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+        ).stdout
+        assert _qk_steps_with_carry(sass) == 0, f"{name}: Q.K^T k-blocks stepped with a 64-bit carry"
+
+
 def test_artifacts_hold_no_paths(artifacts, warm_cache):
     root, _ = warm_cache
     for name, result in artifacts.items():
