@@ -127,12 +127,14 @@ def test_sass_has_hgmma_and_no_spills(artifacts):
 def _qk_steps_with_carry(sass: str) -> int:
     """Q.K^T HGMMAs (A and B both shared-memory descriptors) that continue a chain of k-blocks
     and were preceded, since the previous HGMMA, by a 64-bit add with carry (UIADD3.X)."""
-    count, since = 0, []
+    count, carried = 0, False
     for line in sass.splitlines():
-        qk = re.search(r"\bHGMMA\.\S+ R\d+, gdesc\[UR\d+\], (R\d+|RZ)", line)
-        if qk and qk.group(1) != "RZ" and any("UIADD3.X" in earlier for earlier in since):
-            count += 1
-        since = [] if "HGMMA" in line else since + [line]
+        if "HGMMA" in line:
+            qk = re.search(r"\bHGMMA\.\S+ R\d+, gdesc\[UR\d+\], (R\d+|RZ)", line)
+            count += bool(qk and qk.group(1) != "RZ" and carried)
+            carried = False
+        elif "UIADD3.X" in line:
+            carried = True
     return count
 
 
