@@ -22,6 +22,9 @@ from fa4gen.sm90_tables import (
     SM90_REGISTER_SPLIT,
     SM90_WIDE_WINDOW_SPLIT,
     SPLIT_TAIL_HOW,
+    STALE_MAX_MAX_D,
+    STALE_MAX_REASON,
+    STALE_MAX_SKIPS_MASKS,
     TileRow,
 )
 from fa4gen.spec import AttentionSpec
@@ -69,6 +72,7 @@ class Plan(BaseModel):
     o_staging: Literal["own", "over_p", "over_q", "shared"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
+    stale_max: bool  # key tiles without mask code skip the tile's row max (checked by the row sums)
     smem_bytes: int
     reasons: dict[str, str]
 
@@ -254,7 +258,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     keeps_row = not spec.has_mask and warpgroups == row.consumer_warpgroups  # the row's measured shape, no mask
-    every_tile = row.unmasked_rescale_every_tile if keeps_row else None
+    stale = max(dqk, dv) <= STALE_MAX_MAX_D and spec.mask_kind not in STALE_MAX_SKIPS_MASKS
     tile_m = WARPGROUP_MMA_M * warpgroups
     tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
@@ -276,12 +280,11 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
         split_tail=split_everywhere, split_tail_min_key_tiles=row.split_tail.min_key_tiles if split_everywhere else 0,
         o_staging=o_staging,
-        exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
+        exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2, stale_max=stale,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
-           **({"rescale_threshold": every_tile} if every_tile else {}),
            **({"chain_query_tiles": chain} if chain else {}),
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
     planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})
@@ -444,6 +447,8 @@ def _sm90_memory_reasons(f: dict) -> dict[str, str]:
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
         "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
         "conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)",
+        "stale_max": STALE_MAX_REASON if f["stale_max"] else f"every key tile finds its row max before its "
+        f"exponentials (a stale max: {STALE_MAX_REASON})",
         "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['o_staging'] == 'own' else ''}"
         f"{'' if f['p_in_registers'] else '+ P '}+ {f['kv_stages']} x (K + V) tiles + barriers, of "
         f"{caps.smem_bytes_per_cta} available",
@@ -583,6 +588,8 @@ def plan_problem(p: Plan) -> str:
     if p.chain_query_tiles and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
                                     and p.o_staging == "own"):
         return f"chain_query_tiles needs {CHAIN_NEEDS}"
+    if p.stale_max and not (p.intra_warpgroup_overlap and p.rescale_threshold > 0):
+        return "stale_max needs the overlapped schedule and a rescale threshold"
     if p.split_tail and not (p.persistent and p.tile_order == "head_major" and not p.skip_masked_tiles
                              and not p.rotate_key_tiles):
         return f"split_tail needs {SPLIT_NEEDS}"
@@ -657,9 +664,11 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
     for period in TUNE_EXP2_POLY_PERIODS:
         flips.append((f"1 in {period} exp2 by polynomial" if period else "every exp2 on MUFU",
                       {"exp2_poly_period": period}))
-    flips.append(("O rescaled every tile", {"rescale_threshold": 0.0}) if base.rescale_threshold else
-                 (f"O rescaled past a threshold of 2^{RESCALE_THRESHOLD_LOG2:g}",
-                  {"rescale_threshold": RESCALE_THRESHOLD_LOG2}))
+    flips.append(("O rescaled every tile", {"rescale_threshold": 0.0, "stale_max": False}) if base.rescale_threshold
+                 else (f"O rescaled past a threshold of 2^{RESCALE_THRESHOLD_LOG2:g}",
+                       {"rescale_threshold": RESCALE_THRESHOLD_LOG2}))
+    flips.append(("every key tile's row max found", {"stale_max": False}) if base.stale_max else
+                 ("key tiles against the running max", {"stale_max": True, "rescale_threshold": RESCALE_THRESHOLD_LOG2}))
     for stages in (base.kv_stages - 1, base.kv_stages + 1):
         if stages >= 2:  # (one stage would leave the producer nothing to load ahead)
             flips.append((f"{stages} K/V stages", {"kv_stages": stages}))

@@ -198,7 +198,9 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
             "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
-            "rescale-threshold": {"rescale_threshold": 0.0 if base.rescale_threshold else 8.0},
+            "rescale-threshold": {"rescale_threshold": 0.0, "stale_max": False} if base.rescale_threshold
+            else {"rescale_threshold": 8.0},
+            "stale-max": {"stale_max": not base.stale_max, "rescale_threshold": 8.0},
             "tile-n": {"tile_n": base.tile_n + 16},
             "rotated-keys": {"rotate_key_tiles": True, **NO_SPLIT_TAIL} if not spec.has_mask else None,
             # chained query tiles where the kernel allows them (held tiles meet causal tiles

@@ -155,6 +155,49 @@ def test_q_descriptors_step_without_carry_at_small_head_dims(artifacts):
         assert _qk_steps_with_carry(sass) == 0, f"{name}: Q.K^T k-blocks stepped with a 64-bit carry"
 
 
+def _loop_heads_to_first_vote(sass: str) -> list[list[str]]:
+    """For every loop (a backward branch) whose body issues HGMMA: its instructions from the
+    loop head up to its first VOTE.ANY (the whole body where it has none)."""
+    labels, body = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(body)
+        instruction = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if instruction:
+            body.append(instruction.group(1))
+    loops = []
+    for end, text in enumerate(body):
+        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
+        if target and labels.get(target.group(1), end + 1) <= end:
+            steps = body[labels[target.group(1)]:end + 1]
+            if any("HGMMA" in t for t in steps):
+                votes = [i for i, t in enumerate(steps) if "VOTE.ANY" in t]
+                loops.append(steps[:votes[0]] if votes else steps)
+    return loops
+
+
+def test_stale_max_steps_exponentiate_without_a_row_max(artifacts):
+    """With Plan.stale_max, some key-tile loop exponentiates a whole tile (tile_n / 2 MUFU.EX2
+    per thread) before its first warp vote with at most the two FMNMX of the row-sum check, no
+    tile max (tile_n / 2 - 1 FMNMX per row); without it, every loop finds the max first.
+    specs/ has both kinds (d192, d256, documents and the expression mask keep the max)."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    kinds = set()
+    for name, result in artifacts.items():
+        sass = subprocess.run(
+            [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+        ).stdout
+        exps = result.plan.tile_n // 2
+        stale = [steps for steps in _loop_heads_to_first_vote(sass)
+                 if sum("MUFU.EX2" in t for t in steps) >= exps and sum("FMNMX" in t for t in steps) <= 2]
+        assert bool(stale) == result.plan.stale_max, f"{name}: {len(stale)} key-tile loops without a row max"
+        kinds.add(result.plan.stale_max)
+    assert kinds == {True, False}
+
+
 def test_artifacts_hold_no_paths(artifacts, warm_cache):
     root, _ = warm_cache
     for name, result in artifacts.items():

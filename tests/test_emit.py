@@ -242,6 +242,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "o_staging": kernel_plan.o_staging,
         "exp2_poly_period": kernel_plan.exp2_poly_period,
         "rescale_threshold": kernel_plan.rescale_threshold,
+        "stale_max": kernel_plan.stale_max,
     }
 
 

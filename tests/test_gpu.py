@@ -175,6 +175,31 @@ def test_rejects_cpu_tensors_and_bad_heads_before_launch():
     torch.cuda.synchronize()
 
 
+# the keys visited last (the lowest: key tiles go from the highest down) scaled so the running
+# max grows there: by 2^8 .. 2^120 (stale-max kernels move their reference up) or past 2^128
+# (their exponentials overflow and the scores are computed again)
+LATE_GROWTH = {"plain": 1.0, "regrow": 8.0, "overflow": 60.0}
+# key offsets (Sk - Sq) where a causal row sees its first key in the first key tile that no
+# bound cuts: row 0 at 256-row, 64-key tiles (Sk = Sq + 127), row 192 at 192-row, 128-key tiles
+# (Sk = Sq + 63); stale-max kernels run that tile with the mask code (mask_run_bounds)
+LATE_GROWTH_SHAPES = [(2, 1000, 1000), (1, 1000, 1127), (1, 1100, 1163), (1, 777, 1280)]
+
+
+@pytest.mark.parametrize("shape", LATE_GROWTH_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("growth", sorted(LATE_GROWTH))
+@pytest.mark.parametrize("name", ["d64-causal-gqa2+lse", "vit+lse", "dense-gqa2+lse", "phi3-mini+lse",
+                                  "d256-causal-gqa2+lse", "window-relbias-softcap+lse", "alibi-mpt+lse"])
+def test_running_max_growing_late(name, growth, shape):
+    """Scores far above the first tiles' in the last key tiles: the online softmax's rescale
+    (and a stale max's regrowth or recomputation) still matches the reference."""
+    spec = CASES[name]
+    attn = fa4gen.compile(spec)
+    q, k, v, args = variant_inputs(spec, *shape, seed=hash((name, growth, shape)) % 2**31, kv_heads=KV_HEADS)
+    k[:, :100] *= LATE_GROWTH[growth]
+    out, lse = _run_poisoned(spec, attn, q, k, v, args)
+    assert_close_to_reference(spec, q, k, v, out, lse, args=args)
+
+
 OPTION_CASES = plan_option_cases()
 TAIL_CASES = pair_tail_specs()
 

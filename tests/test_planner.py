@@ -327,19 +327,37 @@ def test_conditional_rescale_is_on_by_default():
     assert "2^8" in p.reasons["rescale_threshold"]
 
 
-def test_unmasked_d64_rescales_every_tile_where_measured():
-    """d64 without a mask rescales O every tile (measured faster there); a causal or windowed
-    d64, a d64 stepped back to 2 warpgroups and other head dims keep the threshold."""
-    every = plan(AttentionSpec(head_dim=64), "sm_90a")
-    assert every.rescale_threshold == 0.0 and "d64 without a mask" in every.reasons["rescale_threshold"]
-    for kept in (AttentionSpec(head_dim=64, causal=True), AttentionSpec(head_dim=64, window_left=256),
-                 AttentionSpec(head_dim=64, score_mod={"kind": "alibi"}), AttentionSpec(head_dim=96),
-                 AttentionSpec(head_dim=128), AttentionSpec(head_dim=256)):
-        p = plan(kept, "sm_90a")
-        assert p.rescale_threshold == 8.0 and "2^8" in p.reasons["rescale_threshold"], kept.summary()
-    # tuning tries the other choice either way
-    assert any(p.rescale_threshold == 8.0 for p in candidates(AttentionSpec(head_dim=64), "sm_90a"))
-    assert any(p.rescale_threshold == 0.0 for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+def test_key_tiles_without_mask_code_run_against_a_stale_max_where_measured():
+    """Up to d128 (dv too), without a document or expression mask, key tiles without mask code
+    skip the tile's row max (Plan.stale_max, measured faster there), which needs the rescale
+    threshold; d192, d256 and those masks find it every step. Tuning tries the other choice."""
+    from fa4gen.sm90_tables import STALE_MAX_REASON
+
+    for fields in ({"head_dim": 64}, {"head_dim": 64, "causal": True}, {"head_dim": 64, "window_left": 256},
+                   {"head_dim": 64, "score_mod": {"kind": "alibi"}}, {"head_dim": 96}, {"head_dim": 128},
+                   {"head_dim": 128, "softcap": 30.0, "causal": True}, {"head_dim": 128, "qhead_per_kvhead": 8},
+                   {"head_dim": 128, "mask": {"kind": "chunked", "size": 256}}, {"head_dim": 128, "head_dim_v": 64}):
+        spec = AttentionSpec(**fields)
+        p = plan(spec, "sm_90a")
+        assert p.stale_max and p.reasons["stale_max"] == STALE_MAX_REASON, spec.summary()
+        assert p.rescale_threshold == 8.0 and "2^8" in p.reasons["rescale_threshold"], spec.summary()
+        assert all(s.plan.stale_max for s in seqlen_splits(spec, "sm_90a")), spec.summary()
+        assert any(not c.stale_max for c in candidates(spec, "sm_90a"))
+    for fields in ({"head_dim": 192, "head_dim_v": 128}, {"head_dim": 256, "causal": True}, {"head_dim": 128,
+                   "head_dim_v": 256}, {"head_dim": 128, "mask": {"kind": "document"}},
+                   {"head_dim": 64, "mask": {"kind": "expression", "expr": "kv_idx <= q_idx"}}):
+        spec = AttentionSpec(**fields)
+        p = plan(spec, "sm_90a")
+        assert not p.stale_max and "every key tile finds its row max" in p.reasons["stale_max"], spec.summary()
+        assert p.rescale_threshold == 8.0
+        assert any(c.stale_max for c in candidates(spec, "sm_90a")), spec.summary()
+    # a stale max needs the threshold and the overlapped schedule; rescaling every tile drops it
+    base = plan(AttentionSpec(head_dim=64), "sm_90a")
+    assert plan_problem(base.model_copy(update={"rescale_threshold": 0.0})) == \
+        "stale_max needs the overlapped schedule and a rescale threshold"
+    assert plan_problem(base.model_copy(update={"intra_warpgroup_overlap": False, "pingpong": False}))
+    every = [c for c in candidates(AttentionSpec(head_dim=128), "sm_90a") if c.rescale_threshold == 0.0]
+    assert every and not any(c.stale_max for c in every)
 
 
 def test_d128_without_a_mask_chains_its_query_tiles_where_measured():
@@ -524,7 +542,7 @@ def test_length_ranges_that_run_another_plan(fields, labels):
         if spec.head_dim == 64 and plain:  # 192-row tiles give way to 256 rows of 64 keys on 4 warpgroups
             assert (short.tile_m, short.tile_n, short.kv_stages, short.num_consumer_warpgroups) == (256, 64, 4, 4)
             assert (short.producer_regs, short.consumer_regs, short.p_in_registers) == (24, 112, True)
-            assert short.rescale_threshold == (RESCALE_THRESHOLD_LOG2 if spec.causal else 0.0)
+            assert short.rescale_threshold == RESCALE_THRESHOLD_LOG2 and short.stale_max
         else:  # 192-row tiles on 3 warpgroups give way to 128 rows on 2
             assert (short.tile_m, short.num_consumer_warpgroups, short.p_in_registers) == (128, 2, True)
             assert (short.producer_regs, short.consumer_regs) == (24, 240)

@@ -92,6 +92,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         o_staging: str = "own",
         exp2_poly_period: int = 0,
         rescale_threshold: float = 0.0,
+        stale_max: bool = False,
         q_stages: int = 1,
         p_in_registers: bool = True,
         l2_group_bytes: int = 0,
@@ -135,6 +136,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             split_min_keys=split_tail_min_key_tiles)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
+        # key tiles without mask code exponentiate against the rows' running max (softmax.settle)
+        assert not stale_max or (rescale_threshold > 0.0 and intra_warpgroup_overlap), \
+            "a stale max needs a rescale threshold and the overlapped schedule"
+        self.stale_max = stale_max
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
         self._init_staging(o_staging, chain_query_tiles)
 
@@ -256,6 +261,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self.kernel(
             tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse, mWork, mFlags,
             sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras,
+            q if self.stale_max else None, k if self.stale_max else None,
         ).launch(
             grid=(grid_x, 1, 1),
             block=[self.threads, 1, 1],
@@ -331,6 +337,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
         mWork: Optional[cute.Tensor], mFlags: Optional[cute.Tensor],
         sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
+        gQ: Optional[cute.Tensor], gK: Optional[cute.Tensor],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -352,6 +359,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             num_m_blocks=cute.ceil_div(mQ.shape[0], self.tile_m),
             args=VariantArgs(self.extra_names, extras),
         )
+        sizes.gq, sizes.gk = gQ, gK  # (S, D, H, B) in global memory: stale_max's recomputed scores
         sizes.heads_batches = sizes.num_heads * sizes.num_batches
         # key tiles per query tile (every tile visits them all where a split tail is allowed);
         # at least 1, so a launch without keys runs whole tiles of one empty key tile
@@ -637,7 +645,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
             p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
-            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, warpgroup=wg, wtidx=wtidx, args=sizes.args, held=held,
+            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, gq=sizes.gq, gk=sizes.gk, warpgroup=wg, wtidx=wtidx, args=sizes.args, held=held,
             split_work=sizes.split_work, split_flags=sizes.split_flags,
         )
 

@@ -12,6 +12,10 @@ query tile's first Q.K^T and last P.V are issued outside the turns (flash-attn-4
 does the same), so a warpgroup changes tile (last P.V, epilogue, first S and softmax) without
 waiting on the others; every warpgroup then takes n_count - 1 turns per query tile.
 
+With a stale max (``stale_max``), key tiles without mask code skip the tile's row max: their scores
+are exponentiated against the rows' running max and the row sums say whether the max must move
+(softmax.stale_exponentials and settle; recompute_scores where the exponentials overflowed).
+
 Key tiles run from the highest down (or in a block mask's list order, or, without mask bounds
 and with rotated key tiles, from an offset per query tile): the first tile always runs the mask
 (it may hold the diagonal or the ragged end of Sk). After it, with mask runs, the tiles crossing
@@ -172,8 +176,16 @@ class Sm90MainLoop:
     def mask_run_bounds(self, tile, start: Int32):
         """(right_end, left_start) of the mask runs: visited tiles start+1 .. right_end-1 cross
         the right bound, left_start .. n_count-1 the left bound, those between are interior
-        (key tile n_max-1-i is the i-th visited, and the bounds split_lo <= split_hi order them)."""
-        right_end = cutlass.max(cutlass.min(tile.n_max - tile.split_hi, tile.n_count), start + 1)
+        (key tile n_max-1-i is the i-th visited, and the bounds split_lo <= split_hi order them).
+
+        With a stale max the right run takes the first interior tile too: a row may see its first
+        key there (every row sees all of its keys but maybe none above), and a row without a max
+        makes a stale-max tile compute its scores again (softmax.settle); in the right run it
+        finds its max instead, at the cost of the mask code in one tile per query tile."""
+        interior = tile.n_max - tile.split_hi
+        if cutlass.const_expr(self.stale_max and self.has_right_mask):
+            interior = cutlass.min(interior + 1, tile.n_max - tile.split_lo)
+        right_end = cutlass.max(cutlass.min(interior, tile.n_count), start + 1)
         left_start = cutlass.max(cutlass.min(tile.n_max - tile.split_lo, tile.n_count), right_end)
         return right_end, left_start
 
@@ -282,6 +294,41 @@ class Sm90MainLoop:
         return self.softmax.update(scores, loop.row_max, loop.row_sum)
 
     @cute.jit
+    def stale_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, sums: cute.Tensor):
+        """A key tile without mask code, against the rows' running max (``stale_max``): score
+        modifier, exponentials and each thread's share of the row sums; softmax.settle finishes."""
+        scores = rows_cols_view(acc_s)
+        if cutlass.const_expr(self.score_mod is not None):
+            self.modify_scores(loop, tile, scores, rows_cols_view(loop.coords_s), n_block * self.tile_n)
+        self.softmax.stale_exponentials(scores, loop.row_max, sums)
+
+    @cute.jit
+    def recompute_scores(self, loop, tile, scores, n_block: Int32):
+        """The modified scores of key tile ``n_block`` again, from Q and K in global memory, one
+        product per thread and score: only where a stale max fell behind the tile's by 2^120 or
+        more (exponentials overflowed) or a row had seen no key before this tile (softmax.settle).
+        Rows past Sq score 0, as the zero-filled Q rows of the wgmma give."""
+        coords = rows_cols_view(loop.coords_s)
+        col_base = n_block * self.tile_n
+        kv_head = loop.head // self.qhead_per_kvhead
+        q_row = cute.make_rmem_tensor(cute.make_layout(cute.size(scores, mode=[0])), Float32)
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                scores[r, c] = Float32(0.0)
+        for d in cutlass.range(self.head_dim, unroll=1):
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                row = tile.row_base + coords[r, 0][0]
+                value = loop.gq[cutlass.min(row, loop.seqlen_q - 1), d, loop.head, loop.batch].to(Float32)
+                q_row[r] = Float32(cutlass.select_(row < loop.seqlen_q, value, Float32(0.0)))
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                key = cutlass.min(col_base + coords[0, c][1], loop.seqlen_k - 1)
+                k_value = loop.gk[key, d, kv_head, loop.batch].to(Float32)
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    scores[r, c] = scores[r, c] + q_row[r] * k_value
+        if cutlass.const_expr(self.score_mod is not None):
+            self.modify_scores(loop, tile, scores, coords, col_base)
+
+    @cute.jit
     def modify_scores(self, loop, tile, scores, coords, col_base: Int32):
         """score_mod(q.k, b, h, q_idx, kv_idx, Sq, Sk, args) per score: indices it does not use
         cost nothing (dead code)."""
@@ -333,10 +380,12 @@ class Sm90MainLoop:
 
     def pins_p_conversions(self) -> bool:
         """Whether P's conversions are pinned above the branches (store_p): with a rescale
-        threshold. Without one there is no rescale branch to keep them above, and at d64 (the
-        plans that rescale every tile) plain conversions after the V release measured
+        threshold. Without one there is no rescale branch to keep them above, and at d64 (when
+        its plans rescaled every tile) plain conversions after the V release measured
         1.006-1.038x the threshold's kernel on the H200, pinned ones 0.99-1.01x
-        (benchmarks/results/2026-12-01-zx, -zw)."""
+        (benchmarks/results/2026-12-01-zx, -zw). With a stale max (stale_probs) they are stored
+        right after the P.V wait, before the row-sum check, and again where it moves a row's
+        reference."""
         return self.softmax.rescale_threshold > 0.0
 
     # ------------------------------------------------------------------ one key tile
@@ -384,12 +433,23 @@ class Sm90MainLoop:
         self.issue_qk_with_pv(loop, acc_s, k_state, v_state)
         if cutlass.const_expr(not self.pinned_pv_wait):
             loop.pipe_k.consumer_release(k_state)
-        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
+        stale = self.stale_max and masked is False  # (a key tile without mask code)
+        if cutlass.const_expr(stale):
+            sums = cute.make_rmem_tensor(cute.make_layout(self.softmax.num_rows), Float32)
+            self.stale_probs(loop, tile, acc_s, n_block, sums)
+        else:
+            correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
+            sums = loop.row_sum
         if cutlass.const_expr(self.pinned_pv_wait):
-            self.release_after(loop.pipe_k, k_state, loop.row_sum)
+            self.release_after(loop.pipe_k, k_state, sums)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pins_p_conversions()):
             self.store_p(loop, acc_s)  # before the branches of the release and the rescale
+        if cutlass.const_expr(stale):
+            correction = cute.make_rmem_tensor(cute.make_layout(self.softmax.num_rows), Float32)
+            self.softmax.settle(rows_cols_view(acc_s), loop.row_max, loop.row_sum, sums, correction,
+                                recompute=lambda scores: self.recompute_scores(loop, tile, scores, n_block),
+                                restore=lambda: self.store_p(loop, acc_s))
         loop.pipe_v.consumer_release(v_state)
         if cutlass.const_expr(not self.pins_p_conversions()):
             self.store_p(loop, acc_s)  # plain conversions: no rescale branch to sink below

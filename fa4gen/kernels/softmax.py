@@ -12,6 +12,10 @@ choice of the plan:
 - ``rescale_threshold`` t > 0 (log2 units): a row keeps its stale running max until a tile's max
   exceeds it by more than t, so probabilities may reach 2^t (harmless in fp32 sums and in
   bf16/fp16 P) and the O rescale is skipped by every warp whose rows all kept their max.
+With a threshold, key tiles without mask code can skip the tile's max altogether
+(``stale_exponentials`` and ``settle``): exponentiated against the running max, a row whose sum
+stays within 2^t kept its max by the threshold's own rule, and only a warp where some sum passed
+it looks for the tile's max.
 
 Row sums stay FADDs here: summing P on the tensor cores instead (P times a tile of ones, an
 N=8 wgmma beside each P.V, rescaled with O) removed 64 of 66 FADDs per 128-key tile and measured
@@ -30,6 +34,9 @@ from fa4gen.kernels.fastmath import exp2_poly
 
 QUAD = 4  # lanes that share one row of a wgmma accumulator
 LN2 = math.log(2.0)
+# update_against_stale_max: a largest probability past this (2^120) is treated as overflowed, so
+# the new reference's factor 2^-log2(p) stays a normal float
+REGROW_LIMIT = 2.0**120
 
 
 class OnlineSoftmax:
@@ -59,11 +66,14 @@ class OnlineSoftmax:
         return row_max, row_sum
 
     @cute.jit
-    def update(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor) -> cute.Tensor:
+    def update(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+               correction=None) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return each row's correction,
-        the factor the output accumulated so far must be multiplied by (see ``rescale``)."""
+        the factor the output accumulated so far must be multiplied by (see ``rescale``; written
+        into ``correction`` where given)."""
         scale = Float32(self.scale_log2)
-        correction = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
+        if cutlass.const_expr(correction is None):
+            correction = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
             # a running max, one dependent FMNMX per score: a balanced tree of the same FMNMX
             # measured 0.98-1.01x (0.99x over 11 cells on the H200, both orders)
@@ -92,6 +102,79 @@ class OnlineSoftmax:
             tile_sum = scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             row_sum[r] = row_sum[r] * correction[r] + tile_sum
         return correction
+
+    @cute.jit
+    def stale_exponentials(self, scores_mn: cute.Tensor, row_max: cute.Tensor, tile_sum: cute.Tensor):
+        """``update``'s exponentials without the tile's row max (``settle`` finishes the update).
+
+        The scores are exponentiated against each row's running max as it stands, and each
+        thread's share of the row sums goes into ``tile_sum``; a share bounds each of its terms, so
+        ``settle`` can tell whether some probability passed 2^threshold. Where none did, that is
+        exactly the threshold's outcome (the max is kept, the correction is 1), without the
+        FMNMX, the quad shuffles and the correction's exponential (68 + 4 + 2 instructions per
+        thread and 128-key tile). A row that has seen no key yet is exponentiated against 0 (no
+        NaN) and always settled the slow way."""
+        scale = Float32(self.scale_log2)
+        for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+            reference = row_max[r] * scale
+            if row_max[r] == -Float32.inf:
+                reference = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
+                scores_mn[r, c] = self.exp2(scores_mn[r, c] * scale - reference, c)
+            tile_sum[r] = scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+    @cute.jit
+    def settle(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tile_sum: cute.Tensor,
+               correction: cute.Tensor, recompute, restore):
+        """After ``stale_exponentials``: the correction per row, into ``correction``.
+
+        Where some row of the warp passed 2^threshold, the tile's largest probability is the new
+        reference: the row's max grows by its log2, its probabilities, sum and O scale by its
+        inverse, and ``restore()`` takes the scaled probabilities again (the caller stored P
+        already). A probability past REGROW_LIMIT (fp32 overflows at 2^128) or a row without a
+        key so far has lost what the max needs: ``recompute(scores_mn)`` puts the modified scores
+        back and the plain ``update`` runs on them, then ``restore()``."""
+        bound = Float32(2.0 ** self.rescale_threshold)
+        over = False
+        for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+            correction[r] = Float32(1.0)
+            # (NaN compares false and propagates, as in update)
+            over = over | (tile_sum[r] > bound) | (row_max[r] == -Float32.inf)
+        if cute.arch.vote_any_sync(over):
+            top = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
+            lost = False
+            for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+                largest = scores_mn[r, 0]
+                for c in cutlass.range_constexpr(1, cute.size(scores_mn, mode=[1])):
+                    largest = cute.arch.fmax(largest, scores_mn[r, c])
+                top[r] = cute.arch.warp_reduction_max(largest, threads_in_group=QUAD)
+                lost = lost | (top[r] >= Float32(REGROW_LIMIT)) | (top[r] != top[r]) | (row_max[r] == -Float32.inf)
+            if cute.arch.vote_any_sync(lost):
+                recompute(scores_mn)
+                self.update(scores_mn, row_max, row_sum, correction)
+            else:
+                self._regrow(scores_mn, row_max, row_sum, tile_sum, top, correction)
+            restore()
+        else:
+            for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+                row_sum[r] = row_sum[r] + tile_sum[r]
+
+    @cute.jit
+    def _regrow(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tile_sum: cute.Tensor,
+                top: cute.Tensor, correction: cute.Tensor):
+        """``settle`` where every row has a finite reference: rows whose largest probability
+        ``top`` passed 2^threshold move their reference up to it."""
+        bound = Float32(2.0 ** self.rescale_threshold)
+        for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
+            grows = top[r] > bound
+            growth = cute.math.log2(top[r], fastmath=True)
+            factor = Float32(cutlass.select_(grows, cute.math.exp2(-growth, fastmath=True), Float32(1.0)))
+            correction[r] = factor
+            row_max[r] = Float32(cutlass.select_(grows, row_max[r] + growth * Float32(1.0 / self.scale_log2),
+                                                 row_max[r]))
+            for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
+                scores_mn[r, c] = scores_mn[r, c] * factor
+            row_sum[r] = (row_sum[r] + tile_sum[r]) * factor
 
     @cute.jit
     def rescale(self, out_mn: cute.Tensor, correction: cute.Tensor):

@@ -42,6 +42,7 @@
 #     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
 #     exp2_poly_period           0          d <= 64: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
+#     stale_max                  True       key tiles without mask code exponentiate against each row's running max and check the row sums for a probability past 2^8 (only then is the tile's max found: fa4gen.kernels.softmax.settle), which drops about 80 of the 420 instructions per thread of a d64 128-key step. Against the tile's max found every step, both orders on the H200 (2026-12-02-s22a): d64 1.036-1.105x, causal 1.013-1.056x; d96 1.040-1.072x; d128 1.005-1.099x, GQA 1.048-1.110x, causal 1.005-1.034x; ALiBi 1.122x, softcap 1.107x; d192 causal 0.955-0.973x from S=4096, d256 0.972-1.013x (spills at d256 causal), documents 0.982x and an expression mask 0.988x, which keep the max every step
 #     smem_bytes                 115712     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
 import cuda.bindings.driver as cuda
 
@@ -116,6 +117,7 @@ def make_kernel() -> HopperAttentionForward:
         o_staging="own",
         exp2_poly_period=0,
         rescale_threshold=8.0,
+        stale_max=True,
     )
 
 
