@@ -487,6 +487,49 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
                 if n in order and masked[row, order.index(n)] == 1:  # the end compare alone: every
                     # row's visible keys in the tile are a prefix of its columns
                     assert torch.equal(tile, tile.int().cumprod(dim=1).bool()), f"query tile {m}: key tile {n}"
+            if plan.stale_max:  # a row meets its first key in the first tile or in mask code
+                _assert_first_keys_in_mask_code(rows, order, masked[row], tile_n, m)
+
+
+def _assert_first_keys_in_mask_code(rows: torch.Tensor, order: list, masked: torch.Tensor, tile_n: int, m: int):
+    """Plan.stale_max: a key tile without mask code exponentiates against the rows' running max,
+    so every row that sees a key there must have seen one in an earlier visited tile."""
+    seen = torch.zeros(rows.shape[0], dtype=torch.bool)
+    for i, n in enumerate(order):
+        here = rows[:, n * tile_n:(n + 1) * tile_n].any(dim=1)
+        if i > 0 and masked[i] == 0:
+            assert not (here & ~seen).any(), f"query tile {m}: a row sees its first key in key tile {n}, no mask code"
+        seen |= here
+
+
+@pytest.mark.parametrize("shape", [(1000, 1063), (1100, 1163), (1000, 1127), (700, 828)],
+                         ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", ["causal", "causal-d64", "causal-d64-4wg", "causal-window", "chunked", "prefix-lm"])
+def test_rows_meet_their_first_key_in_mask_code_with_a_stale_max(name, shape):
+    """Key offsets where a query tile's first row ends its keys at a key tile's top (Sk - Sq =
+    63 at 192-row tiles of 128 keys, 127 at 256-row tiles of 64): that row sees none of the
+    tiles above, so with a stale max its first key tile runs the mask code (the bound counts it
+    as crossed, masking.bounds_of_rows), where the row finds its max."""
+    fields, plan_update = KEY_TILE_CASES[name]
+    spec = fa4gen.AttentionSpec(**fields)
+    plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
+    assert plan.stale_max
+    kernel = _kernel(spec, plan)
+    seqlen_q, seqlen_k = shape
+    batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
+    visit, masked, bounds = _key_tiles(kernel, seqlen_q, seqlen_k, batches,
+                                       _extras(spec, kernel, seqlen_q, batches, args))
+    visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)
+    tile_m, tile_n = kernel.tile_m, kernel.tile_n
+    num_m, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    padded = torch.zeros(visible.shape[0], seqlen_q, num_n * tile_n, dtype=torch.bool)
+    padded[:, :, :seqlen_k] = visible[:, 0]
+    for b in range(batches):
+        for m in range(num_m):
+            row = b * num_m + m
+            count = max(bounds[row, 1].item() - bounds[row, 0].item(), 0)
+            rows = padded[min(b, padded.shape[0] - 1), m * tile_m:(m + 1) * tile_m]
+            _assert_first_keys_in_mask_code(rows, visit[row, :count].tolist(), masked[row], tile_n, m)
 
 
 def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple,

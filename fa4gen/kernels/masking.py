@@ -33,10 +33,14 @@ class KeyTileRange:
     fa4gen.kernels.variant)."""
 
     def __init__(self, tile_m: int, tile_n: int, left: Optional[int], right: Optional[int],
-                 chunk: Optional[int] = None, prefix: bool = False, document: bool = False):
+                 chunk: Optional[int] = None, prefix: bool = False, document: bool = False,
+                 first_keys_masked: bool = False):
         self.tile_m, self.tile_n = tile_m, tile_n
         self.left, self.right, self.chunk = left, right, chunk
         self.prefix, self.document = prefix, document
+        # no row sees its first key in an interior tile (a stale max needs one seen before: see
+        # bounds_of_rows); only a right bound can leave a row's keys below the tiles above
+        self.first_keys_masked = first_keys_masked and (right is not None or prefix or document)
 
     @property
     def starts_at_zero(self) -> bool:
@@ -101,6 +105,12 @@ class KeyTileRange:
         # bounds cut lies below split_lo, with the tiles whose mask compares the start.
         split_lo = cute.ceil_div(cutlass.max(last_start, 0), tile_n)
         split_hi = cutlass.min(cutlass.max(first_end, 0), seqlen_k) // tile_n
+        if cutlass.const_expr(self.first_keys_masked):
+            # every row sees the interior tiles, and a row sees none of the tiles above them
+            # only where its keys end at their top: the first row, ending at a tile boundary
+            # (never with Sq = Sk causal tiles, whose first row ends one past a multiple of 64).
+            # That tile then counts as crossing the bound, so the row meets its first key in mask code.
+            split_hi = (cutlass.min(cutlass.max(first_end, 1), seqlen_k) - 1) // tile_n
         split_lo = cutlass.max(cutlass.min(split_lo, n_max), n_min)
         split_hi = cutlass.max(cutlass.min(split_hi, n_max), split_lo)
         return n_min, split_lo, split_hi, n_max

@@ -120,6 +120,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         # (sm90_mainloop.py); a pinned P.V wait: the overlapped tile's K release follows the softmax
         self.turnless_edges, self.pinned_pv_wait = turnless_edges, pinned_pv_wait
         self.persistent = persistent
+        # key tiles without mask code exponentiate against the rows' running max (softmax.settle)
+        assert not stale_max or (rescale_threshold > 0.0 and intra_warpgroup_overlap), \
+            "a stale max needs a rescale threshold and the overlapped schedule"
+        self.stale_max = stale_max
         self._init_key_tiles(window_left, window_right, chunk, prefix_lm, document, rotate_key_tiles, mask_runs,
                              interior_first_tile)
         # the ragged last round's key tiles spread over every CTA (scheduler.py, sm90_split.py):
@@ -136,10 +140,6 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             split_min_keys=split_tail_min_key_tiles)
         self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
                                      rescale_threshold=rescale_threshold)
-        # key tiles without mask code exponentiate against the rows' running max (softmax.settle)
-        assert not stale_max or (rescale_threshold > 0.0 and intra_warpgroup_overlap), \
-            "a stale max needs a rescale threshold and the overlapped schedule"
-        self.stale_max = stale_max
         self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
         self._init_staging(o_staging, chain_query_tiles)
 
@@ -159,7 +159,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
                         interior_first_tile):
         """The key-tile range of a query tile (structural mask bounds) and the plan options that
         order or trace its key tiles, each checked against what it needs."""
-        self.key_tiles = KeyTileRange(self.tile_m, self.tile_n, window_left, window_right, chunk, prefix_lm, document)
+        self.key_tiles = KeyTileRange(self.tile_m, self.tile_n, window_left, window_right, chunk, prefix_lm, document,
+                                      first_keys_masked=self.stale_max)
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
         self.has_left_mask = window_left is not None or chunk is not None or document
         self.has_right_mask = window_right is not None or prefix_lm or document

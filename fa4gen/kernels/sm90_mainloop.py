@@ -176,16 +176,8 @@ class Sm90MainLoop:
     def mask_run_bounds(self, tile, start: Int32):
         """(right_end, left_start) of the mask runs: visited tiles start+1 .. right_end-1 cross
         the right bound, left_start .. n_count-1 the left bound, those between are interior
-        (key tile n_max-1-i is the i-th visited, and the bounds split_lo <= split_hi order them).
-
-        With a stale max the right run takes the first interior tile too: a row may see its first
-        key there (every row sees all of its keys but maybe none above), and a row without a max
-        makes a stale-max tile compute its scores again (softmax.settle); in the right run it
-        finds its max instead, at the cost of the mask code in one tile per query tile."""
-        interior = tile.n_max - tile.split_hi
-        if cutlass.const_expr(self.stale_max and self.has_right_mask):
-            interior = cutlass.min(interior + 1, tile.n_max - tile.split_lo)
-        right_end = cutlass.max(cutlass.min(interior, tile.n_count), start + 1)
+        (key tile n_max-1-i is the i-th visited, and the bounds split_lo <= split_hi order them)."""
+        right_end = cutlass.max(cutlass.min(tile.n_max - tile.split_hi, tile.n_count), start + 1)
         left_start = cutlass.max(cutlass.min(tile.n_max - tile.split_lo, tile.n_count), right_end)
         return right_end, left_start
 
