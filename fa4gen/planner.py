@@ -258,9 +258,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     # variant steps back to fewer warpgroups (more registers each)
     p_regs = row.p_in_registers or warpgroups != row.consumer_warpgroups
     keeps_row = not spec.has_mask and warpgroups == row.consumer_warpgroups  # the row's measured shape, no mask
-    stale = (row.keeps_row_max is None and max(dqk, dv) <= STALE_MAX_MAX_D
-             and spec.mask_kind not in STALE_MAX_SKIPS_MASKS)
-    every_tile = row.unmasked_rescale_every_tile if keeps_row and not stale else None
+    stale = max(dqk, dv) <= STALE_MAX_MAX_D and spec.mask_kind not in STALE_MAX_SKIPS_MASKS
     tile_m = WARPGROUP_MMA_M * warpgroups
     tile_n, stages, o_staging, q_stages, shrunk = _sm90_fit_smem(tile_m, tile_n, row.kv_stages, dqk, dv, p_regs)
     if shrunk:
@@ -282,14 +280,11 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
         l2_group_bytes=0, head_interleave=1, rotate_key_tiles=False, chain_query_tiles=chain is not None,
         split_tail=split_everywhere, split_tail_min_key_tiles=row.split_tail.min_key_tiles if split_everywhere else 0,
         o_staging=o_staging,
-        exp2_poly_period=exp2_period, rescale_threshold=0.0 if every_tile else RESCALE_THRESHOLD_LOG2,
-        stale_max=stale,
+        exp2_poly_period=exp2_period, rescale_threshold=RESCALE_THRESHOLD_LOG2, stale_max=stale,
         smem_bytes=sm90_smem_bytes(tile_m, tile_n, stages, dqk, dv, 2, o_staging, q_stages, not p_regs),
     )
     why = {"tile_n": tile_reason, "kv_stages": tile_reason, "exp2_poly_period": exp2_reason,
            "tile_order": order_reason, "producer_regs": producer_reason,
-           **({"rescale_threshold": every_tile} if every_tile else {}),
-           **({"stale_max": row.keeps_row_max} if row.keeps_row_max else {}),
            **({"chain_query_tiles": chain} if chain else {}),
            "num_consumer_warpgroups": f"{warpgroups} MMA warpgroups share each K/V tile: {warpgroup_reason}"}
     planned = Plan(**fields, reasons={**_sm90_reasons(spec, fields), **why})

@@ -77,12 +77,6 @@ class TileRow:
     exp2_poly_period: int
     reason: str
     p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
-    # why this row's kernels find every key tile's row max (no Plan.stale_max), measured; None:
-    # the stale max where STALE_MAX_MAX_D and STALE_MAX_SKIPS_MASKS allow it
-    keeps_row_max: str | None = None
-    # with the row max found every tile, specs without a mask that keep the row's warpgroups
-    # rescale O every tile (threshold 0), for this measured reason; None: the threshold
-    unmasked_rescale_every_tile: str | None = None
     # specs without a mask or score modifier that keep the row's warpgroups and O's own buffer
     # chain their query tiles (Plan.chain_query_tiles), for this measured reason; None: they do not
     unmasked_chain: str | None = None
@@ -119,15 +113,6 @@ class LongRow:
     row: TileRow
 
 
-D64_RESCALE_EVERY_TILE = (
-    "d64 without a mask, the row max found every tile: O rescaled every tile, with no branch to skip it, so "
-    "P's conversions stay plain and follow the V release (fa4gen.kernels.sm90_mainloop.pins_p_conversions), "
-    "measured 1.006-1.024x and 1.012-1.038x the threshold (S=512-16384, both orders on the H200, "
-    "2026-12-01-zx); causal d64 measured 0.98-1.02x (it keeps the threshold), and every other head dim "
-    "0.91-1.01x (-zw)")
-D64_4WG_KEEPS_ROW_MAX = (
-    "4 consumer warpgroups at 112 registers: with the stale max (Plan.stale_max) ptxas spilled 96 local loads and "
-    "stores, 7 of them in each key-tile step, so these tiles find the row max every step")
 SM90_D64_SHORT = TileRow(64, 2, 128, 2, True, 0, "d64 causal, at most 1024 query rows: 128-row tiles on 2 "
                          "warpgroups measured 3-12% faster than the 192-row tiles (H200 grids: 245 vs 238 TFLOP/s "
                          "at S=512, 312 vs 278 at S=1024), whose diagonal tiles idle more rows; non-causal d64 "
@@ -140,7 +125,7 @@ SM90_D64_SHORT_4WG = TileRow(
     "Against the 192-row (non-causal) and 128-row (causal) tiles, geometric means of both orders on the H200 "
     "(2026-12-01-s16c): 1.035x at S=512, 1.015x at 1024, causal 1.088x at 512 and 1.105x at 1024 (3 stages "
     "1.018-1.092x, 6 stages 1.025-1.106x); from S=2048 on 0.89-0.93x (-s16b): shorter key tiles double the "
-    "per-tile steps", keeps_row_max=D64_4WG_KEEPS_ROW_MAX, unmasked_rescale_every_tile=D64_RESCALE_EVERY_TILE)
+    "per-tile steps")
 SM90_D96_SHORT = TileRow(96, 2, 128, 2, True, 0, "d96, at most 1024 query rows: 128-row tiles on 2 warpgroups with "
                          "P in registers measured 13-19% faster than the 192-row tiles (H200 grids: 470 vs 406 "
                          "TFLOP/s at S=512, causal 370 vs 310 at S=1024), whose last tile leaves up to a third of "
@@ -204,7 +189,7 @@ STALE_MAX_REASON = (
     "key tiles without mask code exponentiate against each row's running max and check the row sums for a "
     "probability past 2^8 (only then is the tile's max found: fa4gen.kernels.softmax.settle), which drops about "
     "80 of the 420 instructions per thread of a d64 128-key step. Against the tile's max found every step, both orders "
-    "on the H200 (2026-12-02-s22a): d64 1.036-1.076x, causal 1.013-1.056x (S >= 2048); d96 1.040-1.072x; d128 "
+    "on the H200 (2026-12-02-s22a): d64 1.036-1.105x, causal 1.013-1.056x (0.997x at S=512); d96 1.040-1.072x; d128 "
     "1.005-1.099x, "
     "GQA 1.048-1.110x, causal 1.005-1.034x; ALiBi 1.122x, softcap 1.107x; d192 causal 0.955-0.973x from S=4096, "
     "d256 0.972-1.013x (spills at d256 causal), documents 0.982x and an expression mask 0.988x, which keep "

@@ -181,7 +181,7 @@ def test_rejects_cpu_tensors_and_bad_heads_before_launch():
 LATE_GROWTH = {"plain": 1.0, "regrow": 8.0, "overflow": 60.0}
 # key offsets (Sk - Sq) where a causal row sees its first key in the first key tile that no
 # bound cuts: row 0 at 256-row, 64-key tiles (Sk = Sq + 127), row 192 at 192-row, 128-key tiles
-# (Sk = Sq + 63); stale-max kernels run that tile with the mask code (mask_run_bounds)
+# (Sk = Sq + 63); stale-max kernels run that tile with the mask code (masking.bounds_of_rows)
 LATE_GROWTH_SHAPES = [(2, 1000, 1000), (1, 1000, 1127), (1, 1100, 1163), (1, 777, 1280)]
 
 

@@ -303,20 +303,19 @@ class Sm90MainLoop:
         coords = rows_cols_view(loop.coords_s)
         col_base = n_block * self.tile_n
         kv_head = loop.head // self.qhead_per_kvhead
-        q_row = cute.make_rmem_tensor(cute.make_layout(cute.size(scores, mode=[0])), Float32)
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = Float32(0.0)
-        for d in cutlass.range(self.head_dim, unroll=1):
+        # one key at a time, its dot products over d in a loop: a few addresses live, where all
+        # the keys' at once spilled the 112 registers of 4-warpgroup kernels
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            key = cutlass.min(col_base + coords[0, c][1], loop.seqlen_k - 1)
             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                row = tile.row_base + coords[r, 0][0]
-                value = loop.gq[cutlass.min(row, loop.seqlen_q - 1), d, loop.head, loop.batch].to(Float32)
-                q_row[r] = Float32(cutlass.select_(row < loop.seqlen_q, value, Float32(0.0)))
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                key = cutlass.min(col_base + coords[0, c][1], loop.seqlen_k - 1)
+                scores[r, c] = Float32(0.0)
+            for d in cutlass.range(self.head_dim, unroll=1):
                 k_value = loop.gk[key, d, kv_head, loop.batch].to(Float32)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                    scores[r, c] = scores[r, c] + q_row[r] * k_value
+                    row = tile.row_base + coords[r, 0][0]
+                    q_value = loop.gq[cutlass.min(row, loop.seqlen_q - 1), d, loop.head, loop.batch].to(Float32)
+                    q_value = Float32(cutlass.select_(row < loop.seqlen_q, q_value, Float32(0.0)))
+                    scores[r, c] = scores[r, c] + q_value * k_value
         if cutlass.const_expr(self.score_mod is not None):
             self.modify_scores(loop, tile, scores, coords, col_base)
 
