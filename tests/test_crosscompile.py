@@ -90,13 +90,21 @@ def test_a_shared_o_buffer_is_taken_in_turn(artifacts):
     assert kinds == {True, False}
 
 
-def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts):
+def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts, warm_cache):
     """P's 16-bit conversions are volatile inline asm (layout.pack_pair_pinned) where a rescale
     threshold puts a branch after them, and plain conversions (which LLVM may sink) where O is
-    rescaled every tile: sm90_mainloop.pins_p_conversions. specs/ has both kinds (vit: d64
-    without a mask rescales every tile)."""
+    rescaled every tile: sm90_mainloop.pins_p_conversions. Every spec in specs/ has the
+    threshold (a stale max needs it), so vit's plan rescaling every tile, a tuning candidate,
+    is built beside them."""
+    import fa4gen
+
+    root, results = warm_cache
+    every_tile = results["vit"].plan.model_copy(update={"rescale_threshold": 0.0, "stale_max": False})
+    built = dict(artifacts)
+    built["vit, O rescaled every tile"] = fa4gen.build(results["vit"].spec, "sm_90a", cache_dir=root,
+                                                       kernel_plan=every_tile)
     kinds = set()
-    for name, result in artifacts.items():
+    for name, result in built.items():
         ptx = (result.entry.path / "kernel.ptx").read_text()
         blocks = re.findall(r"// begin inline asm\n(.*?)// end inline asm", ptx, re.S)
         pinned = sum(1 for block in blocks if re.search(r"cvt\.rn\.(?:bf16|f16)x2\.f32", block))

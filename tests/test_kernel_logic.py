@@ -443,22 +443,29 @@ KEY_TILE_CASES = {
 SHAPES = [(1000, 1000), (300, 1000), (1000, 300), (17, 700), (129, 129), (300, 1024)]  # last: Sk fills its tiles
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
-@pytest.mark.parametrize("name", sorted(KEY_TILE_CASES))
-def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(name, shape):
+def _walked_key_tiles(name: str, shape: tuple[int, int]):
+    """KEY_TILE_CASES[name] at (Sq, Sk): its plan, kernel, batch count, the walk of _key_tiles and
+    the visible keys per (batch, query row), padded with invisible keys to whole key tiles."""
     fields, plan_update = KEY_TILE_CASES[name]
     spec = fa4gen.AttentionSpec(**fields)
     plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
     kernel = _kernel(spec, plan)
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
-    visit, masked, bounds = _key_tiles(kernel, seqlen_q, seqlen_k, batches,
-                                       _extras(spec, kernel, seqlen_q, batches, args))
+    walk = _key_tiles(kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args))
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)
-    tile_m, tile_n = kernel.tile_m, kernel.tile_n
-    num_m, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    padded = torch.zeros(visible.shape[0], seqlen_q, num_n * tile_n, dtype=torch.bool)
+    num_n = -(-seqlen_k // kernel.tile_n)
+    padded = torch.zeros(visible.shape[0], seqlen_q, num_n * kernel.tile_n, dtype=torch.bool)
     padded[:, :, :seqlen_k] = visible[:, 0]  # keys past Sk: never visible
+    return plan, kernel, batches, walk, padded
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(KEY_TILE_CASES))
+def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(name, shape):
+    plan, kernel, batches, (visit, masked, bounds), padded = _walked_key_tiles(name, shape)
+    tile_m, tile_n = kernel.tile_m, kernel.tile_n
+    num_m, num_n = -(-shape[0] // tile_m), -(-shape[1] // tile_n)
     for b in range(batches):
         for m in range(num_m):
             row = b * num_m + m
@@ -510,20 +517,10 @@ def test_rows_meet_their_first_key_in_mask_code_with_a_stale_max(name, shape):
     63 at 192-row tiles of 128 keys, 127 at 256-row tiles of 64): that row sees none of the
     tiles above, so with a stale max its first key tile runs the mask code (the bound counts it
     as crossed, masking.bounds_of_rows), where the row finds its max."""
-    fields, plan_update = KEY_TILE_CASES[name]
-    spec = fa4gen.AttentionSpec(**fields)
-    plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
+    plan, kernel, batches, (visit, masked, bounds), padded = _walked_key_tiles(name, shape)
     assert plan.stale_max
-    kernel = _kernel(spec, plan)
-    seqlen_q, seqlen_k = shape
-    batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
-    visit, masked, bounds = _key_tiles(kernel, seqlen_q, seqlen_k, batches,
-                                       _extras(spec, kernel, seqlen_q, batches, args))
-    visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)
     tile_m, tile_n = kernel.tile_m, kernel.tile_n
-    num_m, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    padded = torch.zeros(visible.shape[0], seqlen_q, num_n * tile_n, dtype=torch.bool)
-    padded[:, :, :seqlen_k] = visible[:, 0]
+    num_m = -(-shape[0] // tile_m)
     for b in range(batches):
         for m in range(num_m):
             row = b * num_m + m
