@@ -646,7 +646,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
             p=p, p_store=p_store,
             acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
-            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, gq=sizes.gq, gk=sizes.gk, warpgroup=wg, wtidx=wtidx, args=sizes.args, held=held,
+            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, gq=sizes.gq, gk=sizes.gk, warpgroup=wg, wtidx=wtidx,
+            args=sizes.args, held=held,
             split_work=sizes.split_work, split_flags=sizes.split_flags,
         )
 
