@@ -17,6 +17,7 @@ from fa4gen.sm90_tables import (
     NO_PAIR_TAIL,
     PAIR_TAIL_MIN_TILES,
     PAIR_TAIL_ROUNDS,
+    Q_PREFETCH_REASON,
     RESCALE_THRESHOLD_LOG2,
     SM90_FWD_TILES,
     SM90_REGISTER_SPLIT,
@@ -46,6 +47,7 @@ class Plan(BaseModel):
     tile_n: int  # key rows per main-loop step
     kv_stages: int  # depth of the K and V shared-memory ring buffers
     q_stages: int  # Q buffers: 2 lets the next tile's Q load while this tile computes
+    q_prefetch: bool  # the producer prefetches the next tile's Q into L2 as it starts this tile
     num_consumer_warpgroups: int
     producer_regs: int  # setmaxnreg for the TMA producer warpgroup
     consumer_regs: int  # setmaxnreg for each MMA/softmax warpgroup
@@ -69,7 +71,7 @@ class Plan(BaseModel):
     chain_query_tiles: bool  # a query tile's last P.V issued with the next tile's first Q.K^T
     split_tail: bool  # persistent head-major: the ragged last round's key tiles spread over every CTA
     split_tail_min_key_tiles: int  # ... in launches whose query tiles visit at least this many key tiles
-    o_staging: Literal["own", "over_p", "over_q", "shared"]  # where O is staged for its TMA store (see O_STAGING)
+    o_staging: Literal["own", "over_p", "over_q", "shared", "over_v"]  # where O is staged for its TMA store (see O_STAGING)
     exp2_poly_period: int  # every k-th exponential of a row by polynomial on the FMA units (0: none)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     stale_max: bool  # key tiles without mask code skip the tile's row max (checked by the row sums)
@@ -123,9 +125,11 @@ def _round_up(value: int, granule: int) -> int:
 # tile when P goes through shared memory (free once the last P.V has read it; the next tile's
 # first P waits for the store to have read it); over the warpgroup's own Q rows (Q is released
 # only after the store has read them, so the next tile's Q loads after this epilogue). Between the
-# last two: one 64-row buffer that the warpgroups take in turn, where it fits (Q is released
-# before the last P.V, so the next tile's Q loads during it and the epilogue).
-O_STAGING = ("own", "over_p", "shared", "over_q")
+# last two: with 2 consumer warpgroups, one 64-row buffer for the first and the V stage of the
+# tile's last key tile for the second (held until its store has read it); or one 64-row buffer
+# that the warpgroups take in turn (Q is released before the last P.V either way, so the next
+# tile's Q loads during it and the epilogue).
+O_STAGING = ("own", "over_p", "over_v", "shared", "over_q")
 
 
 def sm90_smem_bytes(
@@ -135,7 +139,7 @@ def sm90_smem_bytes(
     """Q tile(s) + K/V ring + (when in its own buffer) the O staging buffer + (when not in
     registers) P."""
     q = q_stages * tile_m * dqk
-    o = {"own": tile_m * dv, "shared": WARPGROUP_MMA_M * dv}.get(o_staging, 0)
+    o = {"own": tile_m * dv, "shared": WARPGROUP_MMA_M * dv, "over_v": WARPGROUP_MMA_M * dv}.get(o_staging, 0)
     kv = stages * tile_n * (dqk + dv)
     p = tile_m * tile_n if p_smem else 0
     return (q + o + kv + p) * elem_bytes + SMEM_RESERVE_BYTES
@@ -213,6 +217,8 @@ def o_staging_fits(o_staging: str, tile_n: int, dqk: int, dv: int, q_stages: int
         return p_smem and dv <= tile_n
     if o_staging == "over_q":
         return dv <= dqk and q_stages == 1
+    if o_staging == "over_v":  # (and 2 consumer warpgroups: plan_problem)
+        return dv <= dqk and q_stages == 1 and tile_n >= WARPGROUP_MMA_M
     return True
 
 
@@ -226,6 +232,7 @@ def _sm90_fit_smem(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, p_r
 
     def fits(o_staging: str, n: int, k: int, q_stages: int = 1) -> bool:
         return (o_staging_fits(o_staging, n, dqk, dv, q_stages, p_smem)
+                and (o_staging != "over_v" or tile_m == 2 * WARPGROUP_MMA_M)
                 and sm90_smem_bytes(tile_m, n, k, dqk, dv, 2, o_staging, q_stages, p_smem) <= limit)
 
     shrunk = False
@@ -266,9 +273,11 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
     chain = row.unmasked_chain if plain else None
     split_everywhere = row.split_tail.every_length and _split_tail_applies(spec)
+    if o_staging == "over_v" and (split_everywhere or spec.left_bound is not None):
+        o_staging = "shared"  # (where O over V measured slower: the "shared" reason)
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
-        q_stages=q_stages, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
+        q_stages=q_stages, q_prefetch=False, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
         consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True,
         pingpong=row.pingpong and not _narrow_window(spec, tile_m, tile_n),
@@ -436,17 +445,28 @@ def _sm90_memory_reasons(f: dict) -> dict[str, str]:
                       "store to have read the tile)",
             "over_q": "no room for an O buffer: O is staged over each warpgroup's own Q rows (the next tile's Q "
                       "loads after this tile's epilogue)",
+            "over_v": "room for one warpgroup's O, not two: warpgroup 0 stages O there, warpgroup 1 over the V "
+                      "stage of the tile's last key tile, which it frees once its store has read it (and once "
+                      "warpgroup 0's last P.V has: a barrier per tile parity), so neither waits for the other's "
+                      "store, and Q is freed before the last P.V. Against the buffer taken in turn on the H200 "
+                      "(both orders, 2026-12-02-s23c): d256 1.007-1.020x at S=512-8192, causal 1.014-1.034x "
+                      "(1.00x at 16384); d192 causal 1.013-1.027x",
             "shared": "room for one warpgroup's O, not two: the warpgroups stage O there in turn (each store has "
                       "read it before the next warpgroup writes), so Q is freed before the last P.V and the next "
                       "tile's Q loads during it and the epilogue. Against O over Q on the H200 (order-balanced "
                       "A/Bs, 2026-12-01-s15b): d192 1.02-1.05x at S=512-4096, 1.01x at 16384; d256 1.05-1.10x "
                       "at S=512-1024; Gemma 2's d256 window 1.04x. O stored from registers instead (32-bit stores, "
-                      "no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a)",
+                      "no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a). Warpgroup "
+                      "1's O over the last V stage (over_v) measured 0.974-1.002x at d192 without a mask, whose "
+                      "tail is split at every length, and 0.979x with Gemma 2's d256 window (2026-12-02-s23c): "
+                      "those keep the buffer taken in turn",
         }[f["o_staging"]],
         "rescale_threshold": f"O is rescaled only when a row max grows by more than 2^{RESCALE_THRESHOLD_LOG2:g}: "
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
         "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
         "conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)",
+        "q_prefetch": Q_PREFETCH_REASON if f["q_prefetch"] else f"the next tile's Q loads from HBM (prefetching "
+        f"it into L2 first: {Q_PREFETCH_REASON})",
         "stale_max": STALE_MAX_REASON if f["stale_max"] else f"every key tile finds its row max before its "
         f"exponentials (a stale max: {STALE_MAX_REASON})",
         "smem_bytes": f"{f['q_stages']} x Q {'+ O ' if f['o_staging'] == 'own' else ''}"
@@ -576,6 +596,7 @@ def plan_smem_bytes(p: Plan) -> int:
                            p.o_staging, p.q_stages, not p.p_in_registers)
 
 
+OVER_V_NEEDS = "the overlapped schedule on 2 consumer warpgroups, unchained"
 CHAIN_NEEDS = "the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer"
 SPLIT_NEEDS = "a persistent head-major launch without a mask or rotated key tiles"
 NO_SPLIT_TAIL = {"split_tail": False, "split_tail_min_key_tiles": 0}  # plan fields of whole tiles only
@@ -588,6 +609,9 @@ def plan_problem(p: Plan) -> str:
     if p.chain_query_tiles and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
                                     and p.o_staging == "own"):
         return f"chain_query_tiles needs {CHAIN_NEEDS}"
+    if p.o_staging == "over_v" and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
+                                        and not p.chain_query_tiles):
+        return f"o_staging over_v needs {OVER_V_NEEDS}"
     if p.stale_max and not (p.intra_warpgroup_overlap and p.rescale_threshold > 0):
         return "stale_max needs the overlapped schedule and a rescale threshold"
     if p.split_tail and not (p.persistent and p.tile_order == "head_major" and not p.skip_masked_tiles
@@ -667,6 +691,8 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
     flips.append(("O rescaled every tile", {"rescale_threshold": 0.0, "stale_max": False}) if base.rescale_threshold
                  else (f"O rescaled past a threshold of 2^{RESCALE_THRESHOLD_LOG2:g}",
                        {"rescale_threshold": RESCALE_THRESHOLD_LOG2}))
+    flips.append(("next Q not prefetched", {"q_prefetch": False}) if base.q_prefetch else
+                 ("next Q prefetched into L2", {"q_prefetch": True}))
     flips.append(("every key tile's row max found", {"stale_max": False}) if base.stale_max else
                  ("key tiles against the running max", {"stale_max": True, "rescale_threshold": RESCALE_THRESHOLD_LOG2}))
     for stages in (base.kv_stages - 1, base.kv_stages + 1):

@@ -205,3 +205,11 @@ SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # spills; Gemma 2's kernel: 16 fewer instructions, all the producer's). The causal pairs' schedule
 # (its tail's position arithmetic) spilled the same way at d256: 11 local loads and stores.
 SM90_WIDE_WINDOW_SPLIT = (40, 232)
+# The producer may prefetch the next tile's Q rows into L2 once this tile's first K/V went out
+# (Plan.q_prefetch), so that the Q load after the consumers free the one Q buffer reads L2: off
+# in every plan (mixed where measured), a tuning candidate
+Q_PREFETCH_REASON = (
+    "the producer prefetches the next tile's Q rows into L2 as it starts this tile, so their load, once the "
+    "consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, "
+    "2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal "
+    "0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate")

@@ -194,6 +194,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "serial-o-shared": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
                                 "o_staging": "shared", "q_stages": 1},
             "q-stages": {"q_stages": 3 - base.q_stages},
+            "q-prefetch": {"q_prefetch": not base.q_prefetch},
             "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},

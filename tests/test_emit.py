@@ -208,6 +208,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "tile_n": kernel_plan.tile_n,
         "kv_stages": kernel_plan.kv_stages,
         "q_stages": kernel_plan.q_stages,
+        "q_prefetch": kernel_plan.q_prefetch,
         "p_in_registers": kernel_plan.p_in_registers,
         "num_consumer_warpgroups": kernel_plan.num_consumer_warpgroups,
         "producer_regs": kernel_plan.producer_regs,

@@ -89,13 +89,17 @@ def test_plan_table(head_dim, head_dim_v):
     assert p.kv_stages >= 2
     assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
     # O gets its own buffer whenever it fits, else P's tile where P is in shared memory and dv
-    # fits in it, else one warpgroup's buffer taken in turn, else Q's rows (only where dv <= d)
+    # fits in it, else one warpgroup's buffer (beside the last V stage for 2 warpgroups, but
+    # where d192 splits its tail at every length; taken in turn otherwise), else Q's rows (only
+    # where dv <= d)
     p_smem = not p.p_in_registers
     dims = (p.tile_m, p.tile_n, p.kv_stages, p.head_dim_padded, p.head_dim_v_padded, 2)
     own_fits = sm90_smem_bytes(*dims, "own", 1, p_smem) <= SMEM_LIMIT
     over_p_fits = p_smem and p.head_dim_v_padded <= p.tile_n
     shared_fits = sm90_smem_bytes(*dims, "shared", 1, p_smem) <= SMEM_LIMIT
-    expected = "own" if own_fits else "over_p" if over_p_fits else "shared" if shared_fits else "over_q"
+    over_v = p.num_consumer_warpgroups == 2 and p.head_dim_v_padded <= p.head_dim_padded and not p.split_tail
+    one = "over_v" if over_v else "shared"
+    expected = "own" if own_fits else "over_p" if over_p_fits else one if shared_fits else "over_q"
     assert p.o_staging == expected
     assert p.o_staging != "over_q" or p.head_dim_v_padded <= p.head_dim_padded
     # a second Q buffer whenever it fits beside O's staging, which must not be Q's rows
@@ -387,6 +391,36 @@ def test_chained_query_tiles_need_their_kernel_shape(update):
     assert base.chain_query_tiles and not plan_problem(base)
     problem = plan_problem(base.model_copy(update=update))
     assert problem.startswith("chain_query_tiles needs") and "O in its own buffer" in problem
+
+
+def test_o_goes_over_the_last_v_stage_where_two_warpgroups_measured_faster():
+    """With room for one warpgroup's O buffer only (d192 and d256), warpgroup 1 stages O over its
+    last key tile's V stage (o_staging "over_v": no turn at a shared buffer), except where that
+    measured slower: d192 without a mask, whose tail is split at every length, and a window;
+    those take the buffer in turn, and the reason says why. ``fa4gen tune`` tries the other."""
+    for spec in (AttentionSpec(head_dim=256), AttentionSpec(head_dim=256, causal=True),
+                 AttentionSpec(head_dim=192, head_dim_v=128, causal=True), AttentionSpec(head_dim=256, softcap=30.0)):
+        p = plan(spec, "sm_90a")
+        assert p.o_staging == "over_v" and "neither waits for the other's" in p.reasons["o_staging"], spec.summary()
+        assert any(c.o_staging == "shared" for c in candidates(spec, "sm_90a")), spec.summary()
+    for spec in (AttentionSpec(head_dim=192, head_dim_v=128), AttentionSpec(head_dim=256, window_left=1024)):
+        p = plan(spec, "sm_90a")
+        assert p.o_staging == "shared" and "over_v" in p.reasons["o_staging"], spec.summary()
+    for spec, length in ((AttentionSpec(head_dim=256), 8192), (AttentionSpec(head_dim=128), 512)):
+        p = plan_for_seqlen(spec, "sm_90a", length)
+        assert p.o_staging == ("over_v" if spec.head_dim == 256 else "own")
+
+
+@pytest.mark.parametrize("update", [{"num_consumer_warpgroups": 3, "tile_m": 192, "consumer_regs": 160,
+                                     "producer_regs": 32},
+                                    {"intra_warpgroup_overlap": False, "pingpong": False}])
+def test_o_over_v_needs_two_overlapped_warpgroups(update):
+    base = plan(AttentionSpec(head_dim=256), "sm_90a")
+    assert base.o_staging == "over_v" and not plan_problem(base)
+    assert plan_problem(base.model_copy(update=update)).startswith("o_staging over_v needs")
+    chained = plan(AttentionSpec(head_dim=128), "sm_90a")
+    assert plan_problem(chained.model_copy(update={"o_staging": "over_v", "q_stages": 1})).startswith(
+        "chain_query_tiles needs")
 
 
 def test_long_head_major_launches_split_their_tail():

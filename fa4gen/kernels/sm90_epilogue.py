@@ -57,6 +57,11 @@ class Sm90Epilogue:
         storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
         if cutlass.const_expr(self.o_shared):
             self.wait_o_turn(wg)  # the previous warpgroup's store has read the buffer
+        elif cutlass.const_expr(self.o_over_v):
+            if wg == 0:  # its own buffer (warpgroup 1's tile is held for it: sm90_fwd.o_tile_over_v)
+                self.o_store_has_read(wg)
+            else:  # warpgroup 0's last P.V has read the V stage too (it arrives after its main loop)
+                cute.arch.barrier(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
         elif cutlass.const_expr(not self.o_over_q):
             # O has its own buffer (or P's, which every warp's last P.V has read once all pass
             # the barrier): the previous tile's store was left running; it must have read the

@@ -41,7 +41,7 @@ from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
 from fa4gen.kernels.sm90_epilogue import Sm90Epilogue, TileInfo
-from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_mainloop import O_TURN_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
 from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
@@ -94,6 +94,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         rescale_threshold: float = 0.0,
         stale_max: bool = False,
         q_stages: int = 1,
+        q_prefetch: bool = False,
         p_in_registers: bool = True,
         l2_group_bytes: int = 0,
         head_interleave: int = 1,
@@ -109,6 +110,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self.qhead_per_kvhead = qhead_per_kvhead
         self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
         self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
+        self.q_prefetch = q_prefetch  # the next tile's Q into L2 once this tile's first K/V went out
         # P feeds P.V from registers, or through a shared-memory tile per consumer warpgroup
         self.p_in_registers = p_in_registers
         self.num_consumers = num_consumer_warpgroups
@@ -185,9 +187,14 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         """Where O is staged: in its own buffer, over the warpgroup's P tile or over its own Q
         rows, or in one buffer that the warpgroups take in turn (fa4gen.planner.O_STAGING says
         what each costs); and whether query tiles chain, which needs O in its own buffer."""
-        assert o_staging in ("own", "over_p", "over_q", "shared"), o_staging
+        assert o_staging in ("own", "over_p", "over_q", "shared", "over_v"), o_staging
         self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
         self.o_shared = o_staging == "shared"
+        # warpgroup 0 in a buffer of its own, warpgroup 1 over its last key tile's V stage
+        self.o_over_v = o_staging == "over_v"
+        assert not self.o_over_v or (self.num_consumers == 2 and self.overlap and not chain_query_tiles
+                                     and self.q_stages == 1 and self.dv <= self.dqk and self.tile_n >= 64), \
+            "O staged over V needs 2 overlapped, unchained warpgroups, one Q buffer, dv <= d and 64-key tiles"
         assert not self.o_over_q or self.dv <= self.dqk, "O staged over Q needs dv <= d"
         assert not self.o_over_q or self.q_stages == 1, "O staged over Q needs a single Q buffer"
         assert not self.o_over_p or (not self.p_in_registers and self.dv <= self.tile_n), \
@@ -298,11 +305,18 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self.p_stage_elems = cute.cosize(cute.slice_(sP_layout, stage))
         self.q_bytes = self.num_consumers * cute.size_in_bytes(dtype, cute.slice_(sQ_layout, stage))
         self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, stage))
+        self.v_stage_elems = cute.cosize(cute.slice_(sV_layout, stage))
         self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, stage))
         o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
-        if self.o_shared:
-            o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile, taken in turn
+        if self.o_shared or self.o_over_v:
+            o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile (taken in turn where shared)
         p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
+        # over_v: elements from the O buffer back to the V ring and to warpgroup 1's Q rows (the
+        # buffers follow one another in SharedStorage, each 1 KB-aligned)
+        atom = SMEM_ALIGN * 8 // dtype.width
+        q_elems, k_elems, v_elems = (cute.round_up(cute.cosize(layout), atom) for layout in (sQ_layout, sK_layout,
+                                                                                           sV_layout))
+        self.o_to_v, self.o_to_q = -v_elems, -(q_elems + k_elems + v_elems) + self.q_stage_elems
         return o_elems, p_elems
 
     def _make_qk_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
@@ -397,7 +411,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         elif cutlass.const_expr(self.o_over_p):
             base, stride = storage.sP.data_ptr(), self.p_stage_elems
         else:
-            base, stride = storage.sO.data_ptr(), 0 if self.o_shared else cute.cosize(sO_stage)
+            base, stride = storage.sO.data_ptr(), 0 if self.o_shared or self.o_over_v else cute.cosize(sO_stage)
         if cutlass.const_expr(stride > 0):  # whole swizzle atoms: stmatrix keeps its 16-byte alignment
             base = base + cute.assume(wg * stride, divby=SMEM_ALIGN // 2)
         sO = cute.make_tensor(cute.recast_ptr(base, sO_stage.inner, self.dtype), sO_stage.outer)
@@ -416,15 +430,20 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         return tile, ok, first, end
 
     @cute.jit
+    def decode(self, tile: Int32, sizes):
+        """(m_block, head, batch, rank) of tile ``tile`` (``scheduler.decode`` with this launch's sizes)."""
+        ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
+        return self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches, sizes.grid,
+                                     sizes.pairs, sizes.group, ranking)
+
+    @cute.jit
     def tile_info(self, tile: Int32, sizes, first=None, end=None):
         """Tile ``tile`` of the schedule: where it is and which key tiles it visits (the producer
         computes it; the consumers receive it, see ``publish_tile``); a split tail's segment
         visits only the tile's key tiles first .. end-1 (``scheduled``; without a split tail
         they are not used)."""
         ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
-        m_block, head, batch, rank = self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads,
-                                                           sizes.num_batches, sizes.grid, sizes.pairs, sizes.group,
-                                                           ranking)
+        m_block, head, batch, rank = self.decode(tile, sizes)
         if cutlass.const_expr(self.scheduler.ranked):
             # the ranking's row also holds the key ranges of the tile's first and last rows: one
             # level of loads, where the rank, then the rows' ranges would be two
@@ -564,6 +583,20 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         return q_state, ahead
 
     @cute.jit
+    def prefetch_next_q(self, tma_q, mQ, sQ, sizes, item: Int32, items: Int32):
+        """``q_prefetch``: the next item's Q rows from HBM into L2, so that its load (once the
+        consumers free the one Q buffer, late in this tile) reads L2."""
+        if item + 1 < items:
+            tile, ok, _, _ = self.scheduled(item + 1, sizes)
+            if ok:
+                m_block, head, batch, _ = self.decode(tile, sizes)
+                gQ = cute.local_tile(mQ[None, None, head, batch], (64, self.dqk), (None, 0))
+                _, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+                for w in cutlass.range_constexpr(self.num_consumers):
+                    cute.prefetch(tma_q, tQg[None, m_block * self.num_consumers + w])
+
+    @cute.jit
     def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, t, kv_state,
                      q_state, ahead: Int32, item: Int32, items: Int32):
         pipe_q, pipe_k, pipe_v = pipes
@@ -586,6 +619,8 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             cute.copy(tma_v, tVg[None, self.key_block(t, 0, sizes.args)], tVs[None, kv_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
             kv_state.advance()
+        if cutlass.const_expr(self.q_prefetch and not self.q_ahead):
+            self.prefetch_next_q(tma_q, mQ, sQ, sizes, item, items)
         next_ahead = Int32(0)  # (tiles of at most 2 key tiles leave the next Q to the next tile's loads)
         for i in cutlass.range(t.n_count - 1, unroll=1):
             if cutlass.const_expr(self.q_ahead):
@@ -711,9 +746,22 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
                 v_state = self.flush_held(loop, v_state)
         if t.n_count > 0:
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
+        tile_sO, held = sO, None
+        if cutlass.const_expr(self.o_over_v):
+            tile_sO, held = self.o_tile_over_v(sQ, sV, sO, wg, t, v_state)
+            # warpgroup 0's last P.V has read the V stage warpgroup 1 stages O over: a barrier
+            # per tile parity (q_stages 1: the Q phase), so warpgroup 0 can be a tile ahead,
+            # never two (that tile's K/V would need the stage warpgroup 1 still holds)
+            loop.v_read_barrier = O_TURN_BARRIER_BASE + q_state.phase
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
         if cutlass.const_expr(self.releases_q_early()):
             if self.sees_no_key_tile(t):  # (else the main loop released Q before its last P.V)
-                pipe_q.consumer_release(q_state)
+                if cutlass.const_expr(self.o_over_v):
+                    if wg == 0:  # (warpgroup 1 stages O over its Q rows: released after the store)
+                        pipe_q.consumer_release(q_state)
+                else:
+                    pipe_q.consumer_release(q_state)
         elif cutlass.const_expr(not self.o_over_q):
             pipe_q.consumer_release(q_state)
         if cutlass.const_expr(self.chain):
@@ -722,11 +770,42 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             else:
                 self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
         else:
-            self.epilogue(loop, sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
+            self.epilogue(loop, tile_sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
         if cutlass.const_expr(self.o_over_q):
             pipe_q.consumer_release(q_state)
+        if cutlass.const_expr(self.o_over_v):
+            if wg == 1:
+                self.release_o_tile(pipes, q_state, wg, held)
         q_state.advance()
         return q_state, k_state, v_state
+
+    @cute.jit
+    def o_tile_over_v(self, sQ, sV, sO, wg: Int32, t, v_state):
+        """``over_v``: this warpgroup's O staging tile for tile ``t`` and the V stage it holds
+        (-1: none). Warpgroup 0 stages in its own buffer (``sO``); warpgroup 1 over the V stage
+        of its last key tile, which the main loop left unreleased (``pv_product``), or, where it
+        saw no key tile, over its own Q rows (still unreleased); ``release_o_tile`` frees either
+        once the store has read it. No warpgroup waits for another's store."""
+        last = (v_state.index + self.kv_stages - 1) % self.kv_stages  # (pv_product advanced the state)
+        held = Int32(cutlass.select_(self.sees_no_key_tile(t), Int32(-1), last))
+        # (warpgroup 1: 0/1 times the offsets; no select, whose result would lose their alignment)
+        has_v = Int32(held >= 0)
+        delta = wg * (has_v * (self.o_to_v + held * self.v_stage_elems) + (1 - has_v) * self.o_to_q)
+        tile = cute.make_tensor(sO.iterator + cute.assume(delta, divby=SMEM_ALIGN * 8 // self.dtype.width),
+                                sO.layout)
+        return tile, held
+
+    @cute.jit
+    def release_o_tile(self, pipes, q_state, wg: Int32, held: Int32):
+        """``over_v``, warpgroup 1: once its O store has read the staging tile, free the V stage
+        it sat over (``held``), or its Q rows where it held no V stage."""
+        self.o_store_has_read(wg)
+        pipe_q, _, pipe_v = pipes
+        if held >= 0:
+            if pipe_v.is_signaling_thread:
+                pipe_v.sync_object_empty.arrive(held, pipe_v.consumer_mask)
+        else:
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def q_rows(self, sQ, slot: Int32):

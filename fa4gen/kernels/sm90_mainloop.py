@@ -488,6 +488,11 @@ class Sm90MainLoop:
         self.issue_pv(loop, v_state.index)
         self.pass_turn(loop.warpgroup, edge=True)
         warpgroup.wait_group(0)
-        loop.pipe_v.consumer_release(v_state)
+        if cutlass.const_expr(self.o_over_v):
+            pipe_v = loop.pipe_v
+            if loop.warpgroup == 0:  # (warpgroup 1 stages O over this V stage: release_o_tile frees it)
+                pipe_v.consumer_release(v_state)
+        else:
+            loop.pipe_v.consumer_release(v_state)
         v_state.advance()
         return v_state

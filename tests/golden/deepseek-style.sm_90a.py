@@ -15,6 +15,7 @@
 #     tile_n                     128        d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
 #     kv_stages                  2          d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
+#     q_prefetch                 False      the next tile's Q loads from HBM (prefetching it into L2 first: the producer prefetches the next tile's Q rows into L2 as it starts this tile, so their load, once the consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, 2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal 0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227, which leaves room for one warpgroup's O
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
@@ -38,7 +39,7 @@
 #     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask
 #     split_tail                 False      not a persistent head-major launch without a mask or rotated key tiles: whole tiles to the end
 #     split_tail_min_key_tiles   0          no split tail
-#     o_staging                  shared     room for one warpgroup's O, not two: the warpgroups stage O there in turn (each store has read it before the next warpgroup writes), so Q is freed before the last P.V and the next tile's Q loads during it and the epilogue. Against O over Q on the H200 (order-balanced A/Bs, 2026-12-01-s15b): d192 1.02-1.05x at S=512-4096, 1.01x at 16384; d256 1.05-1.10x at S=512-1024; Gemma 2's d256 window 1.04x. O stored from registers instead (32-bit stores, no buffer) measured 0.87-0.96x on the geometric means of d64-d256 cells (-s15a)
+#     o_staging                  over_v     room for one warpgroup's O, not two: warpgroup 0 stages O there, warpgroup 1 over the V stage of the tile's last key tile, which it frees once its store has read it (and once warpgroup 0's last P.V has: a barrier per tile parity), so neither waits for the other's store, and Q is freed before the last P.V. Against the buffer taken in turn on the H200 (both orders, 2026-12-02-s23c): d256 1.007-1.020x at S=512-8192, causal 1.014-1.034x (1.00x at 16384); d192 causal 1.013-1.027x
 #     exp2_poly_period           0          d <= 192: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
 #     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
 #     stale_max                  False      every key tile finds its row max before its exponentials (a stale max: key tiles without mask code exponentiate against each row's running max and check the row sums for a probability past 2^8 (only then is the tile's max found: fa4gen.kernels.softmax.settle), which drops about 80 of the 420 instructions per thread of a d64 128-key step. Against the tile's max found every step, both orders on the H200 (2026-12-02-s22a): d64 1.036-1.105x, causal 1.013-1.056x (0.997x at S=512); d96 1.040-1.072x; d128 1.005-1.099x, GQA 1.048-1.110x, causal 1.005-1.034x; ALiBi 1.122x, softcap 1.107x; d192 causal 0.955-0.973x from S=4096, d256 0.972-1.013x (spills at d256 causal), documents 0.982x and an expression mask 0.988x, which keep the max every step)
@@ -71,6 +72,7 @@ def make_kernel() -> HopperAttentionForward:
         tile_n=128,
         kv_stages=2,
         q_stages=1,
+        q_prefetch=False,
         p_in_registers=True,
         num_consumer_warpgroups=2,
         producer_regs=24,
@@ -102,7 +104,7 @@ def make_kernel() -> HopperAttentionForward:
         chain_query_tiles=False,
         split_tail=False,
         split_tail_min_key_tiles=0,
-        o_staging="shared",
+        o_staging="over_v",
         exp2_poly_period=0,
         rescale_threshold=8.0,
         stale_max=False,
