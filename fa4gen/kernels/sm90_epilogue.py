@@ -1,10 +1,12 @@
 """The end of a query tile on Hopper: O normalised, rounded, staged in shared memory and
 TMA-stored, and the LSE written.
 
-O's staging tile is one of four (the plan's ``o_staging``, chosen in ``HopperAttentionForward``):
+O's staging tile is one of five (the plan's ``o_staging``, chosen in ``HopperAttentionForward``):
 its own buffer, whose store runs on into the next tile and is waited for only before the buffer
 is written again; the warpgroup's P tile; the warpgroup's own Q rows (the next Q waits for the
-store to read them); or one buffer for all warpgroups, taken in warpgroup order. In a split tail
+store to read them); one buffer for all warpgroups, taken in warpgroup order; or, with two
+warpgroups, that buffer for the first and the last key tile's V stage for the second (held
+until its store has read it: ``HopperAttentionForward.o_tile_over_v``). In a split tail
 (sm90_split.py) the epilogue also leaves or merges a partial.
 """
 
@@ -30,7 +32,7 @@ class TileInfo:
 
 class Sm90Epilogue:
     """Mixin for the Hopper forward kernel: needs dtype, dv, tile_m, num_consumers, o_shared,
-    o_over_q, o_over_p, sinks, return_lse, softmax, split_tail and _make_pv_mma() (and, with a
+    o_over_q, o_over_p, o_over_v, sinks, return_lse, softmax, split_tail and _make_pv_mma() (and, with a
     split tail, Sm90SplitTail's write_partial, merge_stats and add_partial)."""
 
     @cute.jit

@@ -185,8 +185,9 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
 
     def _init_staging(self, o_staging: str, chain_query_tiles: bool):
         """Where O is staged: in its own buffer, over the warpgroup's P tile or over its own Q
-        rows, or in one buffer that the warpgroups take in turn (fa4gen.planner.O_STAGING says
-        what each costs); and whether query tiles chain, which needs O in its own buffer."""
+        rows, in one buffer that the warpgroups take in turn, or (two warpgroups) in that buffer
+        and over the last V stage (fa4gen.planner.O_STAGING says what each costs); and whether
+        query tiles chain, which needs O in its own buffer."""
         assert o_staging in ("own", "over_p", "over_q", "shared", "over_v"), o_staging
         self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
         self.o_shared = o_staging == "shared"

@@ -60,7 +60,7 @@ class Sm90MainLoop:
     """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
     pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers, chain,
     skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod,
-    mask_mod, key_tiles, softmax, o_shared, key_block() and await_o_store()."""
+    mask_mod, key_tiles, softmax, o_shared, o_over_v, key_block() and await_o_store()."""
 
     @cute.jit
     def mainloop(self, loop, tile, k_state, v_state):
