@@ -211,14 +211,15 @@ def _tile_order(spec: AttentionSpec) -> tuple[str, str]:
     return "head_major", "equal work per query tile: the CTAs running together share one head's K/V in L2"
 
 
-def o_staging_fits(o_staging: str, tile_n: int, dqk: int, dv: int, q_stages: int, p_smem: bool) -> bool:
+def o_staging_fits(o_staging: str, tile_n: int, dqk: int, dv: int, q_stages: int, p_smem: bool,
+                   warpgroups: int) -> bool:
     """Whether O's (64 x dv) staging tile can sit where ``o_staging`` puts it."""
     if o_staging == "over_p":
         return p_smem and dv <= tile_n
     if o_staging == "over_q":
         return dv <= dqk and q_stages == 1
-    if o_staging == "over_v":  # (and 2 consumer warpgroups: plan_problem)
-        return dv <= dqk and q_stages == 1 and tile_n >= WARPGROUP_MMA_M
+    if o_staging == "over_v":  # (and the overlapped, unchained schedule: plan_problem)
+        return warpgroups == 2 and dv <= dqk and q_stages == 1 and tile_n >= WARPGROUP_MMA_M
     return True
 
 
@@ -231,8 +232,7 @@ def _sm90_fit_smem(tile_m: int, tile_n: int, stages: int, dqk: int, dv: int, p_r
     p_smem = not p_regs
 
     def fits(o_staging: str, n: int, k: int, q_stages: int = 1) -> bool:
-        return (o_staging_fits(o_staging, n, dqk, dv, q_stages, p_smem)
-                and (o_staging != "over_v" or tile_m == 2 * WARPGROUP_MMA_M)
+        return (o_staging_fits(o_staging, n, dqk, dv, q_stages, p_smem, tile_m // WARPGROUP_MMA_M)
                 and sm90_smem_bytes(tile_m, n, k, dqk, dv, 2, o_staging, q_stages, p_smem) <= limit)
 
     shrunk = False
@@ -633,7 +633,7 @@ def sm90_fits(p: Plan) -> bool:
     thread) fit."""
     fragments = p.tile_n // 2 + (p.tile_n // 4 if p.p_in_registers else 0) + p.head_dim_v_padded // 2
     o_ok = o_staging_fits(p.o_staging, p.tile_n, p.head_dim_padded, p.head_dim_v_padded, p.q_stages,
-                          not p.p_in_registers)
+                          not p.p_in_registers, p.num_consumer_warpgroups)
     return (not plan_problem(p) and fragments + REGISTER_HEADROOM <= p.consumer_regs
             and o_ok and 32 <= p.tile_n <= 256 and p.tile_n % MMA_K_GRANULE == 0)
 
