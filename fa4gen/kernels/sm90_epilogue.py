@@ -6,7 +6,7 @@ its own buffer, whose store runs on into the next tile and is waited for only be
 is written again; the warpgroup's P tile; the warpgroup's own Q rows (the next Q waits for the
 store to read them); one buffer for all warpgroups, taken in warpgroup order; or, with two
 warpgroups, that buffer for the first and the last key tile's V stage for the second (held
-until its store has read it: ``HopperAttentionForward.o_tile_over_v``). In a split tail
+until its store has read it: ``o_tile_over_v``). In a split tail
 (sm90_split.py) the epilogue also leaves or merges a partial.
 """
 
@@ -32,7 +32,8 @@ class TileInfo:
 
 class Sm90Epilogue:
     """Mixin for the Hopper forward kernel: needs dtype, dv, tile_m, num_consumers, o_shared,
-    o_over_q, o_over_p, o_over_v, sinks, return_lse, softmax, split_tail and _make_pv_mma() (and, with a
+    o_over_q, o_over_p, o_over_v (with kv_stages, v_stage_elems, o_to_v, o_to_q, smem_atom_elems and
+    sees_no_key_tile()), sinks, return_lse, softmax, split_tail and _make_pv_mma() (and, with a
     split tail, Sm90SplitTail's write_partial, merge_stats and add_partial)."""
 
     @cute.jit
@@ -60,7 +61,7 @@ class Sm90Epilogue:
         if cutlass.const_expr(self.o_shared):
             self.wait_o_turn(wg)  # the previous warpgroup's store has read the buffer
         elif cutlass.const_expr(self.o_over_v):
-            if wg == 0:  # its own buffer (warpgroup 1's tile is held for it: sm90_fwd.o_tile_over_v)
+            if wg == 0:  # its own buffer (warpgroup 1's tile is held for it: o_tile_over_v)
                 self.o_store_has_read(wg)
             else:  # warpgroup 0's last P.V has read the V stage too (it arrives after its main loop)
                 cute.arch.barrier(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
@@ -84,6 +85,41 @@ class Sm90Epilogue:
             self.o_store_has_read(wg)
         if cutlass.const_expr(self.o_shared):
             self.pass_o_turn(wg, storing)
+
+    @cute.jit
+    def o_tile_over_v(self, loop, sO, wg: Int32, t, q_state, v_state):
+        """``over_v``: this warpgroup's O staging tile for tile ``t`` and the V stage it holds
+        (-1: none). Warpgroup 0 stages in its own buffer (``sO``); warpgroup 1 over the V stage
+        of its last key tile, which the main loop left unreleased (``pv_product``), or, where it
+        saw no key tile, over its own Q rows (still unreleased); ``release_o_tile`` frees either
+        once the store has read it. No warpgroup waits for another's store.
+
+        Warpgroup 0 arrives here once its last P.V has read that V stage, and warpgroup 1 waits
+        for it before writing (``tma_store_o``): a barrier per tile parity (one Q buffer: the Q
+        phase), so warpgroup 0 can be a tile ahead, never two (that tile's K/V would need the
+        stage warpgroup 1 still holds)."""
+        last = (v_state.index + self.kv_stages - 1) % self.kv_stages  # (pv_product advanced the state)
+        held = Int32(cutlass.select_(self.sees_no_key_tile(t), Int32(-1), last))
+        # (warpgroup 1: 0/1 times the offsets; no select, whose result would lose their alignment)
+        has_v = Int32(held >= 0)
+        delta = wg * (has_v * (self.o_to_v + held * self.v_stage_elems) + (1 - has_v) * self.o_to_q)
+        tile = cute.make_tensor(sO.iterator + cute.assume(delta, divby=self.smem_atom_elems), sO.layout)
+        loop.v_read_barrier = O_TURN_BARRIER_BASE + q_state.phase
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
+        return tile, held
+
+    @cute.jit
+    def release_o_tile(self, pipes, q_state, wg: Int32, held: Int32):
+        """``over_v``, warpgroup 1: once its O store has read the staging tile, free the V stage
+        it sat over (``held``), or its Q rows where it held no V stage."""
+        self.o_store_has_read(wg)
+        pipe_q, _, pipe_v = pipes
+        if held >= 0:
+            if pipe_v.is_signaling_thread:
+                pipe_v.sync_object_empty.arrive(held, pipe_v.consumer_mask)
+        else:
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def wait_o_turn(self, wg: Int32):

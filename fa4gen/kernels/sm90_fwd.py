@@ -41,7 +41,7 @@ from fa4gen.kernels.masking import KeyTileRange
 from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
 from fa4gen.kernels.sm90_epilogue import Sm90Epilogue, TileInfo
-from fa4gen.kernels.sm90_mainloop import O_TURN_BARRIER_BASE, WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
 from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
@@ -318,6 +318,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         q_elems, k_elems, v_elems = (cute.round_up(cute.cosize(layout), atom) for layout in (sQ_layout, sK_layout,
                                                                                            sV_layout))
         self.o_to_v, self.o_to_q = -v_elems, -(q_elems + k_elems + v_elems) + self.q_stage_elems
+        self.smem_atom_elems = atom
         return o_elems, p_elems
 
     def _make_qk_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
@@ -749,13 +750,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
         tile_sO, held = sO, None
         if cutlass.const_expr(self.o_over_v):
-            tile_sO, held = self.o_tile_over_v(sQ, sV, sO, wg, t, v_state)
-            # warpgroup 0's last P.V has read the V stage warpgroup 1 stages O over: a barrier
-            # per tile parity (q_stages 1: the Q phase), so warpgroup 0 can be a tile ahead,
-            # never two (that tile's K/V would need the stage warpgroup 1 still holds)
-            loop.v_read_barrier = O_TURN_BARRIER_BASE + q_state.phase
-            if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
+            tile_sO, held = self.o_tile_over_v(loop, sO, wg, t, q_state, v_state)
         if cutlass.const_expr(self.releases_q_early()):
             if self.sees_no_key_tile(t):  # (else the main loop released Q before its last P.V)
                 if cutlass.const_expr(self.o_over_v):
@@ -779,34 +774,6 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
                 self.release_o_tile(pipes, q_state, wg, held)
         q_state.advance()
         return q_state, k_state, v_state
-
-    @cute.jit
-    def o_tile_over_v(self, sQ, sV, sO, wg: Int32, t, v_state):
-        """``over_v``: this warpgroup's O staging tile for tile ``t`` and the V stage it holds
-        (-1: none). Warpgroup 0 stages in its own buffer (``sO``); warpgroup 1 over the V stage
-        of its last key tile, which the main loop left unreleased (``pv_product``), or, where it
-        saw no key tile, over its own Q rows (still unreleased); ``release_o_tile`` frees either
-        once the store has read it. No warpgroup waits for another's store."""
-        last = (v_state.index + self.kv_stages - 1) % self.kv_stages  # (pv_product advanced the state)
-        held = Int32(cutlass.select_(self.sees_no_key_tile(t), Int32(-1), last))
-        # (warpgroup 1: 0/1 times the offsets; no select, whose result would lose their alignment)
-        has_v = Int32(held >= 0)
-        delta = wg * (has_v * (self.o_to_v + held * self.v_stage_elems) + (1 - has_v) * self.o_to_q)
-        tile = cute.make_tensor(sO.iterator + cute.assume(delta, divby=SMEM_ALIGN * 8 // self.dtype.width),
-                                sO.layout)
-        return tile, held
-
-    @cute.jit
-    def release_o_tile(self, pipes, q_state, wg: Int32, held: Int32):
-        """``over_v``, warpgroup 1: once its O store has read the staging tile, free the V stage
-        it sat over (``held``), or its Q rows where it held no V stage."""
-        self.o_store_has_read(wg)
-        pipe_q, _, pipe_v = pipes
-        if held >= 0:
-            if pipe_v.is_signaling_thread:
-                pipe_v.sync_object_empty.arrive(held, pipe_v.consumer_mask)
-        else:
-            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def q_rows(self, sQ, slot: Int32):
