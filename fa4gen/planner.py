@@ -17,6 +17,7 @@ from fa4gen.sm90_tables import (
     NO_PAIR_TAIL,
     PAIR_TAIL_MIN_TILES,
     PAIR_TAIL_ROUNDS,
+    Q_PER_WARPGROUP_REASON,
     Q_PREFETCH_REASON,
     RESCALE_THRESHOLD_LOG2,
     SM90_FWD_TILES,
@@ -48,6 +49,7 @@ class Plan(BaseModel):
     kv_stages: int  # depth of the K and V shared-memory ring buffers
     q_stages: int  # Q buffers: 2 lets the next tile's Q load while this tile computes
     q_prefetch: bool  # the producer prefetches the next tile's Q into L2 as it starts this tile
+    q_per_warpgroup: bool  # each consumer warpgroup's Q rows have their own full/empty barriers
     num_consumer_warpgroups: int
     producer_regs: int  # setmaxnreg for the TMA producer warpgroup
     consumer_regs: int  # setmaxnreg for each MMA/softmax warpgroup
@@ -278,6 +280,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     fields = dict(
         arch=Arch.SM90A.value, kernel="HopperAttentionForward", tile_m=tile_m, tile_n=tile_n, kv_stages=stages,
         q_stages=q_stages, q_prefetch=False, num_consumer_warpgroups=warpgroups, producer_regs=producer_regs,
+        q_per_warpgroup=q_stages == 1 and warpgroups == 2 and spec.left_bound is None,
         consumer_regs=consumer_regs, head_dim_padded=dqk, head_dim_v_padded=dv, p_in_registers=p_regs,
         skip_masked_tiles=spec.has_mask, intra_warpgroup_overlap=True,
         pingpong=row.pingpong and not _narrow_window(spec, tile_m, tile_n),
@@ -465,6 +468,8 @@ def _sm90_memory_reasons(f: dict) -> dict[str, str]:
         "most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as "
         "flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's "
         "conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)",
+        "q_per_warpgroup": Q_PER_WARPGROUP_REASON if f["q_per_warpgroup"] else "one full and one empty barrier "
+        f"per Q buffer, which all warpgroups share (barriers per warpgroup's rows: {Q_PER_WARPGROUP_REASON})",
         "q_prefetch": Q_PREFETCH_REASON if f["q_prefetch"] else f"the next tile's Q loads from HBM (prefetching "
         f"it into L2 first: {Q_PREFETCH_REASON})",
         "stale_max": STALE_MAX_REASON if f["stale_max"] else f"every key tile finds its row max before its "
@@ -612,6 +617,8 @@ def plan_problem(p: Plan) -> str:
     if p.o_staging == "over_v" and not (p.intra_warpgroup_overlap and p.num_consumer_warpgroups == 2
                                         and not p.chain_query_tiles):
         return f"o_staging over_v needs {OVER_V_NEEDS}"
+    if p.q_per_warpgroup and p.num_consumer_warpgroups < 2:
+        return "q_per_warpgroup needs 2 or more consumer warpgroups (one warpgroup has the buffer's barriers)"
     if p.stale_max and not (p.intra_warpgroup_overlap and p.rescale_threshold > 0):
         return "stale_max needs the overlapped schedule and a rescale threshold"
     if p.split_tail and not (p.persistent and p.tile_order == "head_major" and not p.skip_masked_tiles
@@ -691,6 +698,9 @@ def candidates(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> list[Plan]
     flips.append(("O rescaled every tile", {"rescale_threshold": 0.0, "stale_max": False}) if base.rescale_threshold
                  else (f"O rescaled past a threshold of 2^{RESCALE_THRESHOLD_LOG2:g}",
                        {"rescale_threshold": RESCALE_THRESHOLD_LOG2}))
+    if base.num_consumer_warpgroups > 1:
+        flips.append(("Q barriers per buffer", {"q_per_warpgroup": False}) if base.q_per_warpgroup else
+                     ("Q barriers per warpgroup", {"q_per_warpgroup": True}))
     flips.append(("next Q not prefetched", {"q_prefetch": False}) if base.q_prefetch else
                  ("next Q prefetched into L2", {"q_prefetch": True}))
     flips.append(("every key tile's row max found", {"stale_max": False}) if base.stale_max else

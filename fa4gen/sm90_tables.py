@@ -213,3 +213,12 @@ Q_PREFETCH_REASON = (
     "consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, "
     "2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal "
     "0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate")
+# Each consumer warpgroup's 64 Q rows may have their own full and empty barriers
+# (Plan.q_per_warpgroup): on where one Q buffer serves 2 warpgroups (d192, d256) and no left
+# window bounds the key tiles
+Q_PER_WARPGROUP_REASON = (
+    "a warpgroup's next Q rows load as soon as it has freed its own, and it starts once they are in, without "
+    "waiting for the other warpgroup's rows (with O over V, warpgroup 0's rows wait for warpgroup 1 to have freed "
+    "its previous ones). Against one pair of barriers per buffer on the H200 (both orders, 2026-12-02-s24a/b): "
+    "d192/128 1.003-1.056x, causal 1.002-1.030x; d256 0.993-1.014x, causal 0.994-1.015x; Gemma 2's d256 window "
+    "0.966x and d128's two-buffer chained tiles 0.982-0.986x keep the shared barriers")

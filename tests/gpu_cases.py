@@ -186,6 +186,10 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
             "head-groups": {"tile_order": "heavy_first", **NO_PAIR_TAIL,
                             "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
             **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
+            # O over V as the planner has it, with Q barriers per warpgroup (a warpgroup without a
+            # key tile, at Sq > Sk causal and in windows, stages O over its own Q rows)
+            "o-over-v-q-per-warpgroup": {"o_staging": "over_v", "q_stages": 1, "q_per_warpgroup": True}
+            if base.o_staging != "over_v" else None,
             # O over P waits for the last store in the first key tile, traced apart per schedule
             "serial-o-over-p": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
                                 "o_staging": "over_p", "q_stages": 1} if not base.p_in_registers else None,
@@ -195,6 +199,7 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
                                 "o_staging": "shared", "q_stages": 1},
             "q-stages": {"q_stages": 3 - base.q_stages},
             "q-prefetch": {"q_prefetch": not base.q_prefetch},
+            "q-per-warpgroup": {"q_per_warpgroup": not base.q_per_warpgroup} if base.num_consumer_warpgroups > 1 else None,
             "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
             "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
                            "producer_regs": producer_regs, "consumer_regs": consumer_regs},
@@ -216,4 +221,17 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
                 p = sm90_refit(p, "16 more keys per tile")
             if sm90_fits(p):  # shared memory, O staging and a register estimate
                 cases[f"{name}/{flip}"] = (spec, p)
+    return cases
+
+
+def keyless_cases() -> dict[str, tuple[AttentionSpec, object]]:
+    """O over the last V stage where a mask leaves query tiles without keys (more queries than
+    keys): the planner's d256 causal plan (Q barriers per warpgroup) and the plan-option flips
+    that stage O over V, with and without them."""
+    import fa4gen
+
+    cases = {name: case for name, case in plan_option_cases().items()
+             if case[1].o_staging == "over_v" and case[0].has_mask}
+    spec = AttentionSpec(head_dim=256, causal=True)
+    cases["d256-causal"] = (spec, fa4gen.plan(spec, "sm_90a"))
     return cases

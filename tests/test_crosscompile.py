@@ -98,6 +98,21 @@ def test_a_shared_o_buffer_is_taken_in_turn(artifacts):
     assert {"shared", "over_v", "own"} <= kinds
 
 
+def test_q_barriers_per_buffer_or_per_warpgroup(artifacts):
+    """A full and an empty mbarrier per K and per V stage, and per Q buffer, or with
+    Plan.q_per_warpgroup per warpgroup's 64 rows of each Q buffer (deepseek-style's d192 in
+    specs/ has them, the others one pair per buffer)."""
+    kinds = set()
+    for name, result in artifacts.items():
+        p = result.plan
+        ptx = (result.entry.path / "kernel.ptx").read_text()
+        q_slots = p.q_stages * (p.num_consumer_warpgroups if p.q_per_warpgroup else 1)
+        inits = len(re.findall(r"\bmbarrier\.init\.shared\.b64\b", ptx))
+        assert inits == 2 * (q_slots + 2 * p.kv_stages), f"{name}: {inits} mbarriers, {q_slots} Q slots"
+        kinds.add(p.q_per_warpgroup)
+    assert kinds == {True, False}
+
+
 def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts, warm_cache):
     """P's 16-bit conversions are volatile inline asm (layout.pack_pair_pinned) where a rescale
     threshold puts a branch after them, and plain conversions (which LLVM may sink) where O is

@@ -209,6 +209,7 @@ def test_emitted_constants_match_spec_and_plan(spec):
         "kv_stages": kernel_plan.kv_stages,
         "q_stages": kernel_plan.q_stages,
         "q_prefetch": kernel_plan.q_prefetch,
+        "q_per_warpgroup": kernel_plan.q_per_warpgroup,
         "p_in_registers": kernel_plan.p_in_registers,
         "num_consumer_warpgroups": kernel_plan.num_consumer_warpgroups,
         "producer_regs": kernel_plan.producer_regs,

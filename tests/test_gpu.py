@@ -12,8 +12,8 @@ import pytest
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import (SHAPES, gpu_specs, pair_tail_specs, plan_option_cases, split_tail_cases, variant_inputs,
-                       variant_specs)
+from gpu_cases import (SHAPES, gpu_specs, keyless_cases, pair_tail_specs, plan_option_cases, split_tail_cases,
+                       variant_inputs, variant_specs)
 
 pytestmark = pytest.mark.gpu
 
@@ -254,6 +254,22 @@ def _launches_on_ctas(monkeypatch, spec, attn, shape, ctas: int, repeats: int) -
     for _ in range(repeats):
         again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
         assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+KEYLESS_CASES = keyless_cases()
+
+
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("name", sorted(KEYLESS_CASES))
+def test_o_over_v_through_runs_of_keyless_tiles(monkeypatch, name, ctas):
+    """More queries than keys on few CTAs: each CTA ends with a run of query tiles whose rows see
+    no key (bottom-right causal), where nothing on K/V keeps warpgroup 0 from running ahead of
+    warpgroup 1, whose O store it orders by a barrier per tile parity (sm90_epilogue.o_tile_over_v;
+    two tiles ahead, it would arrive at its barrier twice). Launch after launch matches the reference."""
+    spec, kernel_plan = KEYLESS_CASES[name]
+    attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
+    assert attn.plan.o_staging == "over_v"
+    _launches_on_ctas(monkeypatch, spec, attn, (2, 1500, 100), ctas, repeats=2)
 
 
 @pytest.mark.parametrize("shape", [(2, 1000, 1000), (3, 300, 2000), (1, 4100, 300), (2, 1000, 17), (8, 2000, 2000)],

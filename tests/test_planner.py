@@ -411,6 +411,31 @@ def test_o_goes_over_the_last_v_stage_where_two_warpgroups_measured_faster():
         assert p.o_staging == ("over_v" if spec.head_dim == 256 else "own")
 
 
+def test_q_barriers_per_warpgroup_where_one_q_buffer_serves_two():
+    """One Q buffer for 2 warpgroups (d192, d256) gets a pair of barriers per warpgroup's rows,
+    but not under a left window (measured slower: Gemma 2); two Q buffers (d128), or 3
+    warpgroups with one (d96 at most lengths), keep a pair per buffer. ``fa4gen tune`` tries the
+    other choice wherever there are 2 or more warpgroups; one warpgroup cannot have it."""
+    specs = [AttentionSpec(head_dim=d, head_dim_v=dv, causal=c, window_left=w, softcap=cap)
+             for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None))
+             for c in (False, True) for w in (None, 1024) for cap in (None, 30.0)]
+    kinds = set()
+    for spec in specs:
+        for length in (512, 2048, 16384):
+            p = plan_for_seqlen(spec, "sm_90a", length)
+            want = p.q_stages == 1 and p.num_consumer_warpgroups == 2 and spec.left_bound is None
+            assert p.q_per_warpgroup == want, (spec.summary(), length)
+            assert ("its own, and it starts once they are in" in p.reasons["q_per_warpgroup"]) and \
+                p.reasons["q_per_warpgroup"].startswith("a warpgroup's") == want
+            kinds.add((spec.head_dim, want))
+        flipped = [c for c in candidates(spec, "sm_90a") if c.q_per_warpgroup != plan(spec, "sm_90a").q_per_warpgroup]
+        assert flipped or plan(spec, "sm_90a").num_consumer_warpgroups == 1, spec.summary()
+    assert {(192, True), (256, True), (256, False), (128, False)} <= kinds
+    one = plan(AttentionSpec(head_dim=128, causal=True), "sm_90a").model_copy(
+        update={"num_consumer_warpgroups": 1, "tile_m": 64, "pingpong": False, "q_per_warpgroup": True})
+    assert plan_problem(one).startswith("q_per_warpgroup needs 2 or more")
+
+
 @pytest.mark.parametrize("update", [{"num_consumer_warpgroups": 3, "tile_m": 192, "consumer_regs": 160,
                                      "producer_regs": 32},
                                     {"intra_warpgroup_overlap": False, "pingpong": False}])

@@ -97,7 +97,9 @@ class Sm90Epilogue:
         Warpgroup 0 arrives here once its last P.V has read that V stage, and warpgroup 1 waits
         for it before writing (``tma_store_o``): a barrier per tile parity (one Q buffer: the Q
         phase), so warpgroup 0 can be a tile ahead, never two (that tile's K/V would need the
-        stage warpgroup 1 still holds)."""
+        stage warpgroup 1 still holds; tiles without keys need none, so with Q barriers per
+        warpgroup the producer loads warpgroup 0's Q rows once warpgroup 1 has freed its rows
+        of the previous tile, which it does past this tile's barrier: ``load_q``)."""
         last = (v_state.index + self.kv_stages - 1) % self.kv_stages  # (pv_product advanced the state)
         held = Int32(cutlass.select_(self.sees_no_key_tile(t), Int32(-1), last))
         # (warpgroup 1: 0/1 times the offsets; no select, whose result would lose their alignment)

@@ -8,9 +8,9 @@ sm90_mainloop.py. K and V have separate mbarrier pipelines so a K stage is relea
 is computed. O leaves through shared memory (its own buffer, whose store runs on into the next
 tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges
 (sm90_epilogue.py). A persistent launch (one CTA per SM) walks the plan's tile order
-(scheduler.py); the producer runs ahead into the next tile while consumers finish the last, and
-hands each tile's position and key-tile bounds to the consumers with its Q buffer
-(``publish_tile``).
+(scheduler.py); the producer (sm90_producer.py) runs ahead into the next tile while consumers
+finish the last, and hands each tile's position and key-tile bounds to the consumers with its Q
+buffer (``publish_tile``).
 
 Variants plug in without touching this machinery: the score hook (score_mod) and expression
 mask (mask_mod) come from the emitted module; structural masks are per-row key intervals
@@ -42,6 +42,7 @@ from fa4gen.kernels.scheduler import TileScheduler
 from fa4gen.kernels.sm90_chain import Sm90TileChain
 from fa4gen.kernels.sm90_epilogue import Sm90Epilogue, TileInfo
 from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
+from fa4gen.kernels.sm90_producer import Sm90Producer
 from fa4gen.kernels.sm90_split import Sm90SplitTail
 from fa4gen.kernels.softmax import OnlineSoftmax
 from fa4gen.kernels.variant import VariantArgs
@@ -51,7 +52,7 @@ SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
 Q_ATOM_COLS = 64  # 16-bit columns of one 128-byte swizzle atom row
 
 
-class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epilogue):
+class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epilogue):
     """One compiled forward kernel. Constructor arguments are all compile-time constants."""
 
     def __init__(
@@ -95,6 +96,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         stale_max: bool = False,
         q_stages: int = 1,
         q_prefetch: bool = False,
+        q_per_warpgroup: bool = False,
         p_in_registers: bool = True,
         l2_group_bytes: int = 0,
         head_interleave: int = 1,
@@ -111,6 +113,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
         self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
         self.q_prefetch = q_prefetch  # the next tile's Q into L2 once this tile's first K/V went out
+        # a full and an empty barrier per warpgroup's 64 Q rows (q_slot), else one pair per buffer
+        assert not q_per_warpgroup or num_consumer_warpgroups > 1, "Q barriers per warpgroup need 2 or more"
+        self.q_per_warpgroup = q_per_warpgroup
+        self.q_slots = q_stages * (num_consumer_warpgroups if self.q_per_warpgroup else 1)
         # P feeds P.V from registers, or through a shared-memory tile per consumer warpgroup
         self.p_in_registers = p_in_registers
         self.num_consumers = num_consumer_warpgroups
@@ -241,10 +247,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
 
         @cute.struct
         class SharedStorage:
-            bar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            bar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_slots]
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            tiles: cute.struct.MemRange[Int32, len(self.tile_fields) * self.q_stages]  # see publish_tile
+            tiles: cute.struct.MemRange[Int32, len(self.tile_fields) * self.q_slots]  # see publish_tile
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
@@ -254,7 +260,7 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         self.shared_storage = SharedStorage
         # the barriers and tile words sit before the 1 KB-aligned Q buffer, in the planner's
         # SMEM_RESERVE_BYTES: more of them would push every buffer up by 1 KB
-        header = 8 * 2 * (self.q_stages + 2 * self.kv_stages) + 4 * len(self.tile_fields) * self.q_stages
+        header = 8 * 2 * (self.q_slots + 2 * self.kv_stages) + 4 * len(self.tile_fields) * self.q_slots
         assert header <= SMEM_ALIGN, f"{header} bytes of barriers and tile words do not fit before Q"
         pairs = self.scheduler.pairs_now(k.shape[0])
         grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
@@ -338,12 +344,13 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             mma.set(warpgroup.Field.ACCUMULATE, accumulate)
         return mma
 
-    def _make_pipeline(self, barriers, stages: int, tx_bytes: int):
+    def _make_pipeline(self, barriers, stages: int, tx_bytes: int, warpgroups: int):
+        """A TMA pipeline whose stages ``warpgroups`` consumer warpgroups release (a warp's lane 0 each)."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * warpgroups),
             tx_count=tx_bytes,
             defer_sync=True,
         )
@@ -363,11 +370,13 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sTiles = storage.tiles.get_tensor(cute.make_layout((len(self.tile_fields), self.q_stages)))
+        sTiles = storage.tiles.get_tensor(cute.make_layout((len(self.tile_fields), self.q_slots)))
+        q_users = 1 if self.q_per_warpgroup else self.num_consumers  # warpgroups per Q slot
         pipes = (
-            self._make_pipeline(storage.bar_q.data_ptr(), self.q_stages, self.q_bytes),
-            self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes),
-            self._make_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes),
+            self._make_pipeline(storage.bar_q.data_ptr(), self.q_slots, self.q_bytes * q_users // self.num_consumers,
+                                q_users),
+            self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.num_consumers),
+            self._make_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, self.num_consumers),
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -497,149 +506,6 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
     document_fields = ("doc_single", "doc_shift", "doc_key_start", "doc_key_end")
 
     @cute.jit
-    def publish_tile(self, pipe_q, q_state, sTiles: cute.Tensor, t):
-        """Acquire the next Q buffer and hand the consumers this tile's info with it: written to
-        the buffer's slot once the consumers have freed it, before the arrive that their Q wait
-        acquires. The consumers then start a tile without decoding it or waiting on the global
-        loads of its bounds (document key ranges, a ranked order, a block mask's count): the
-        producer did that while they were busy with the previous tile."""
-        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        # every lane stores the same words, so whichever lane the pipeline elects to arrive has
-        # stored them before its arrive (whose release the consumers' wait acquires)
-        for i in cutlass.range_constexpr(len(self.tile_fields)):
-            sTiles[i, q_state.index] = getattr(t, self.tile_fields[i])
-        pipe_q.producer_acquire(q_state, try_acquire_token=True)  # the arrive alone: the buffer is free
-
-    @cute.jit
-    def received_tile(self, sTiles: cute.Tensor, index: Int32):
-        """The tile info ``publish_tile`` wrote to Q buffer ``index`` (after the wait for that buffer)."""
-        t = TileInfo()
-        for i in cutlass.range_constexpr(len(self.tile_fields)):
-            setattr(t, self.tile_fields[i], sTiles[i, index])
-        return t
-
-    @cute.jit
-    def key_block(self, t, i: Int32, args) -> Int32:
-        """The i-th key tile a query tile visits: from the highest down (from ``t.rotation``
-        below it and around, with rotated key tiles), or the block mask's list."""
-        n_block = t.n_max - 1 - i
-        if cutlass.const_expr(self.rotate_key_tiles):
-            step = i + t.rotation  # < 2 n_count: one wrap at most
-            n_block = t.n_max - 1 - cutlass.select_(step >= t.n_count, step - t.n_count, step)
-        if cutlass.const_expr(self.block_sparse):
-            n_block = args.block_index[t.mask_b, t.mask_h, t.m_block, i]
-        return n_block
-
-    @cute.jit
-    def produce(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes):
-        """One warp: per tile, the first K tile, then Q (waits for the consumers to free it: K can
-        run ahead into the next tile meanwhile), then V and the remaining K/V tiles, highest first.
-        Chained tiles with two Q buffers send the next tile's Q one key tile into this one (``q_ahead``)."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs,
-                                             sizes.n_keys)
-        ahead = Int32(0)  # 1: this item's tile and Q went out with the previous tile's loads
-        for item in cutlass.range(items, unroll=1):
-            tile, ok, first, end = self.scheduled(item, sizes)
-            if ok:
-                t = self.tile_info(tile, sizes, first, end)
-                kv_state, q_state, ahead = self.produce_tile(
-                    tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, t, kv_state, q_state,
-                    ahead, item, items
-                )
-
-    @property
-    def q_ahead(self) -> bool:
-        """Whether the producer publishes the next tile and loads its Q one key tile into this
-        one (chained query tiles with two Q buffers): that buffer (two tiles back) is free once
-        this tile's second K/V stage is, so Q is in place a tile early, where after the next
-        tile's first K it arrived a stage or two before the chained step needs it, with the held
-        P.V (sm90_chain.py). Unchained kernels measured no gain from it (0.96-1.01x)."""
-        return self.chain and self.q_stages >= 2
-
-    @cute.jit
-    def load_q(self, tma_q, mQ, sQ, sTiles, pipe_q, q_state, t):
-        """Publish tile ``t`` with its Q buffer (``publish_tile``) and load its Q rows into it."""
-        one = cute.make_layout(1)
-        gQ = cute.local_tile(mQ[None, None, t.head, t.batch], (64, self.dqk), (None, 0))
-        tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        self.publish_tile(pipe_q, q_state, sTiles, t)
-        for w in cutlass.range_constexpr(self.num_consumers):
-            buffer_stage = q_state.index * self.num_consumers + w
-            cute.copy(tma_q, tQg[None, t.m_block * self.num_consumers + w], tQs[None, buffer_stage],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
-        return q_state
-
-    @cute.jit
-    def load_next_q(self, tma_q, mQ, sQ, sTiles, pipe_q, q_state, sizes, item: Int32, items: Int32):
-        """``q_ahead``: the next item's tile, where it is one, published with its Q now; returns
-        the Q state and whether it went out."""
-        ahead = Int32(0)
-        if item + 1 < items:
-            tile, ok, first, end = self.scheduled(item + 1, sizes)
-            if ok:
-                q_state = self.load_q(tma_q, mQ, sQ, sTiles, pipe_q, q_state, self.tile_info(tile, sizes, first, end))
-                ahead = Int32(1)
-        return q_state, ahead
-
-    @cute.jit
-    def prefetch_next_q(self, tma_q, mQ, sQ, sizes, item: Int32, items: Int32):
-        """``q_prefetch``: the next item's Q rows from HBM into L2, so that its load (once the
-        consumers free the one Q buffer, late in this tile) reads L2."""
-        if item + 1 < items:
-            tile, ok, _, _ = self.scheduled(item + 1, sizes)
-            if ok:
-                m_block, head, batch, _ = self.decode(tile, sizes)
-                gQ = cute.local_tile(mQ[None, None, head, batch], (64, self.dqk), (None, 0))
-                _, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-                for w in cutlass.range_constexpr(self.num_consumers):
-                    cute.prefetch(tma_q, tQg[None, m_block * self.num_consumers + w])
-
-    @cute.jit
-    def produce_tile(self, tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes, t, kv_state,
-                     q_state, ahead: Int32, item: Int32, items: Int32):
-        pipe_q, pipe_k, pipe_v = pipes
-        one = cute.make_layout(1)
-        kv_head = t.head // self.qhead_per_kvhead
-        gK = cute.local_tile(mK[None, None, kv_head, t.batch], (self.tile_n, self.dqk), (None, 0))
-        gVt = cute.local_tile(mVt[None, None, kv_head, t.batch], (self.dv, self.tile_n), (0, None))
-        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gVt, 0, 2))
-        if t.n_count > 0:
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_k, tKg[None, self.key_block(t, 0, sizes.args)], tKs[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-        if cutlass.const_expr(not self.q_ahead):
-            q_state = self.load_q(tma_q, mQ, sQ, sTiles, pipe_q, q_state, t)
-        elif ahead == 0:  # (else the previous tile published this one)
-            q_state = self.load_q(tma_q, mQ, sQ, sTiles, pipe_q, q_state, t)
-        if t.n_count > 0:
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_v, tVg[None, self.key_block(t, 0, sizes.args)], tVs[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-        if cutlass.const_expr(self.q_prefetch and not self.q_ahead):
-            self.prefetch_next_q(tma_q, mQ, sQ, sizes, item, items)
-        next_ahead = Int32(0)  # (tiles of at most 2 key tiles leave the next Q to the next tile's loads)
-        for i in cutlass.range(t.n_count - 1, unroll=1):
-            if cutlass.const_expr(self.q_ahead):
-                if i == 1:  # the next tile's Q, once this tile's second K/V stage went out
-                    q_state, next_ahead = self.load_next_q(tma_q, mQ, sQ, sTiles, pipe_q, q_state, sizes, item,
-                                                           items)
-            n_block = self.key_block(t, i + 1, sizes.args)
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_v, tVg[None, n_block], tVs[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-        return kv_state, q_state, next_ahead
-
-    @cute.jit
     def make_o_and_p(self, thr_pv):
         """This warpgroup's O accumulator (zero) and, where P stays in registers, P's A-operand
         fragment (None where P goes through shared memory)."""
@@ -727,9 +593,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         pipe_q = pipes[0]
         loop = self.make_loop_state(self.q_rows(sQ, q_state.index * self.num_consumers + wg), sK, sV, sP, pipes,
                                     wg, wtidx, sizes, held)
-        pipe_q.consumer_wait(q_state)  # this tile's Q, and its info from the producer
-        loop.pipe_q, loop.q_state = pipe_q, q_state  # (released in the main loop: releases_q_early)
-        t = self.received_tile(sTiles, q_state.index)
+        q_slot = self.q_slot(q_state, wg)
+        pipe_q.consumer_wait(q_slot)  # this tile's Q, and its info from the producer
+        loop.pipe_q, loop.q_state = pipe_q, q_slot  # (released in the main loop: releases_q_early)
+        t = self.received_tile(sTiles, q_slot.index)
         t.row_base = t.m_block * self.tile_m + wg * 64
         document = None
         if cutlass.const_expr(self.scheduler.ranked):  # the tile's document bounds (tile_info)
@@ -755,11 +622,11 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
             if self.sees_no_key_tile(t):  # (else the main loop released Q before its last P.V)
                 if cutlass.const_expr(self.o_over_v):
                     if wg == 0:  # (warpgroup 1 stages O over its Q rows: released after the store)
-                        pipe_q.consumer_release(q_state)
+                        pipe_q.consumer_release(q_slot)
                 else:
-                    pipe_q.consumer_release(q_state)
+                    pipe_q.consumer_release(q_slot)
         elif cutlass.const_expr(not self.o_over_q):
-            pipe_q.consumer_release(q_state)
+            pipe_q.consumer_release(q_slot)
         if cutlass.const_expr(self.chain):
             if t.n_count > 0:
                 self.hold_tile(loop, t)
@@ -768,10 +635,10 @@ class HopperAttentionForward(Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epi
         else:
             self.epilogue(loop, tile_sO, tma_o, mO, mLSE, t, wg, sizes.seqlen_q)
         if cutlass.const_expr(self.o_over_q):
-            pipe_q.consumer_release(q_state)
+            pipe_q.consumer_release(q_slot)
         if cutlass.const_expr(self.o_over_v):
             if wg == 1:
-                self.release_o_tile(pipes, q_state, wg, held)
+                self.release_o_tile(pipes, q_slot, wg, held)
         q_state.advance()
         return q_state, k_state, v_state
 

@@ -27,6 +27,7 @@
 #     kv_stages                  2          d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
 #     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
 #     q_prefetch                 False      the next tile's Q loads from HBM (prefetching it into L2 first: the producer prefetches the next tile's Q rows into L2 as it starts this tile, so their load, once the consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, 2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal 0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate)
+#     q_per_warpgroup            False      one full and one empty barrier per Q buffer, which all warpgroups share (barriers per warpgroup's rows: a warpgroup's next Q rows load as soon as it has freed its own, and it starts once they are in, without waiting for the other warpgroup's rows (with O over V, warpgroup 0's rows wait for warpgroup 1 to have freed its previous ones). Against one pair of barriers per buffer on the H200 (both orders, 2026-12-02-s24a/b): d192/128 1.003-1.056x, causal 1.002-1.030x; d256 0.993-1.014x, causal 0.994-1.015x; Gemma 2's d256 window 0.966x and d128's two-buffer chained tiles 0.982-0.986x keep the shared barriers)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
 #     producer_regs              24         the producer only issues TMA: give its registers to the consumers
 #     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
@@ -97,6 +98,7 @@ def make_kernel() -> HopperAttentionForward:
         kv_stages=2,
         q_stages=2,
         q_prefetch=False,
+        q_per_warpgroup=False,
         p_in_registers=True,
         num_consumer_warpgroups=2,
         producer_regs=24,

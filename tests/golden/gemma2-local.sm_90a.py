@@ -18,6 +18,7 @@
 #     kv_stages                  2          d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
 #     q_stages                   1          one Q buffer (no room for a second): the next tile's Q loads once this tile's main loop is done
 #     q_prefetch                 False      the next tile's Q loads from HBM (prefetching it into L2 first: the producer prefetches the next tile's Q rows into L2 as it starts this tile, so their load, once the consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, 2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal 0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate)
+#     q_per_warpgroup            False      one full and one empty barrier per Q buffer, which all warpgroups share (barriers per warpgroup's rows: a warpgroup's next Q rows load as soon as it has freed its own, and it starts once they are in, without waiting for the other warpgroup's rows (with O over V, warpgroup 0's rows wait for warpgroup 1 to have freed its previous ones). Against one pair of barriers per buffer on the H200 (both orders, 2026-12-02-s24a/b): d192/128 1.003-1.056x, causal 1.002-1.030x; d256 0.993-1.014x, causal 0.994-1.015x; Gemma 2's d256 window 0.966x and d128's two-buffer chained tiles 0.982-0.986x keep the shared barriers)
 #     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB, which leaves room for one warpgroup's O (o_staging shared). Against 80-key tiles with O over Q (224 KB, no room) on the H200, order-balanced A/Bs (2026-12-01-s15b/c): 1.04-1.10x at S=512-1024, 1.04-1.06x at S=2048-4096, 1.005-1.016x at S=8192-16384, causal and not
 #     producer_regs              40         a window at d > 192: the producer's per-tile bounds and schedule position spilled at 24 registers; 40 leave it spill-free and the consumers do not spill at 232
 #     consumer_regs              232        2x128 threads x 232 + 128 x 40 = 64512 <= 64512 registers (the CTA's pool at launch)
@@ -85,6 +86,7 @@ def make_kernel() -> HopperAttentionForward:
         kv_stages=2,
         q_stages=1,
         q_prefetch=False,
+        q_per_warpgroup=False,
         p_in_registers=True,
         num_consumer_warpgroups=2,
         producer_regs=40,
