@@ -253,7 +253,7 @@ def _launches_on_ctas(monkeypatch, spec, attn, shape, ctas: int, repeats: int) -
     assert_close_to_reference(spec, q, k, v, out, lse, args=args)
     for _ in range(repeats):
         again, again_lse = _run_poisoned(spec, attn, q, k, v, args)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+        assert torch.equal(again, out) and (lse is None or torch.equal(again_lse, lse))
 
 
 KEYLESS_CASES = keyless_cases()

@@ -6,7 +6,17 @@
 #   C  'd256|d192' q_per_warpgroup=true q_prefetch=true
 #   D  'd256 |d256 causal|d192/128 causal' with the planner's q_per_warpgroup and O over V's
 #      producer wait for warpgroup 1's previous Q rows (sm90_fwd.load_q)
+#   F0..F8  'd256 causal S=512$': the planner's plan (F0) and, against it, heavy-first order (F1),
+#      one CTA per tile (F2), ping-pong (F3), one loop for every key tile (F4), the P.V wait pinned
+#      (F5), the next Q prefetched (F6), causal pairs to the end (F7), O in a buffer taken in turn (F8)
 source .devrt/setup.sh
+if [ "${JOBS:-}" = tune ]; then
+  for v in F1 F2 F3 F4 F5 F6 F7 F8; do
+    python3 -W ignore benchmarks/ab_kernels.py both build/ab/F0 "build/ab/$v" 8 > "$OUT/s24c-ab-$v.log" 2>&1
+    printf '%s ' "$v" && grep -E "both orders" "$OUT/s24c-ab-$v.log" | tail -n 1
+  done
+  exit 0
+fi
 for job in ${JOBS:-qwg}; do
   case $job in
     qwg) set -- s24a-ab-q-per-warpgroup B '';;
