@@ -59,6 +59,7 @@ CELLS = [
     (dict(head_dim=256, causal=True), (512, 1024, 2048, 4096, 8192, 16384)),
     (dict(head_dim=128, causal=True, window_left=1024), (4096,)),
     (dict(head_dim=128, causal=True), (512, 1024, 16384)),
+    (dict(head_dim=128, return_lse=True), (512, 2048, 16384)),  # a training forward: O and LSE
 ]
 DENSE = "dense causal at the document length"
 
@@ -162,6 +163,11 @@ def _rounds(functions: dict, workloads: dict, rounds: int) -> dict[str, list[flo
     return times
 
 
+def _outputs(result) -> tuple:
+    """(O, LSE) of a kernel's result: LSE is None unless the spec returns it."""
+    return result if isinstance(result, tuple) else (result, None)
+
+
 def _check(label: str, kernel, q, k, v) -> None:
     """The new side's output on the first batch entry and KV head (its query heads) against the
     fp32 reference, within the tests' bound (2x PyTorch's own bf16 error); raises where it misses."""
@@ -169,7 +175,8 @@ def _check(label: str, kernel, q, k, v) -> None:
 
     heads = kernel.spec.qhead_per_kvhead
     q1, k1, v1 = q[:1, :, :heads].contiguous(), k[:1, :, :1].contiguous(), v[:1, :, :1].contiguous()
-    report = assert_close_to_reference(kernel.spec, q1, k1, v1, kernel(q1, k1, v1))
+    out, lse = _outputs(kernel(q1, k1, v1))
+    report = assert_close_to_reference(kernel.spec, q1, k1, v1, out, lse)
     print(f"{label:45} new vs fp32 reference: error {report['out_err']:.1e} (bound {report['out_bound']:.1e})")
 
 
@@ -182,7 +189,8 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
         workload = _workload(label, new.spec)
         inputs, args, _ = workload
         q, k, v = inputs[0]
-        differ = (old(q, k, v, **args).float() - new(q, k, v, **args).float()).abs().max().item()
+        outs = [_outputs(kernel(q, k, v, **args))[0].float() for kernel in (old, new)]
+        differ = (outs[0] - outs[1]).abs().max().item()
         if not args:  # grid cells: the new kernel against the fp32 reference, on the first KV head
             _check(label, new, q, k, v)
         t = _rounds({"old": old, "new": new}, {"old": workload, "new": workload}, rounds)

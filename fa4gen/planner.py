@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fa4gen.arch import Arch, require_supported
 from fa4gen.sm90_tables import (
+    CHAIN_WITHOUT_LSE,
     EXP2_POLY_PERIOD_SOFTCAP,
     NO_PAIR_TAIL,
     PAIR_TAIL_MIN_TILES,
@@ -273,7 +274,7 @@ def _plan_sm90(spec: AttentionSpec, row: TileRow | None = None) -> Plan:
     if shrunk:
         tile_reason = f"{row.reason}; shrunk to fit {Arch.SM90A.caps.smem_bytes_per_cta // 1024} KB of shared memory"
     plain = keeps_row and spec.score_mod is None and spec.softcap is None and o_staging == "own"
-    chain = row.unmasked_chain if plain else None
+    chain = row.unmasked_chain if plain and not spec.return_lse else None  # (LSE: CHAIN_WITHOUT_LSE)
     split_everywhere = row.split_tail.every_length and _split_tail_applies(spec)
     if o_staging == "over_v" and (split_everywhere or spec.left_bound is not None):
         o_staging = "shared"  # (where O over V measured slower: the "shared" reason)
@@ -427,7 +428,7 @@ def _sm90_order_reasons(spec: AttentionSpec, f: dict) -> dict[str, str]:
         "chain_query_tiles": "each query tile's last P.V goes with the next tile's first Q.K^T (a tuning candidate)"
         if f["chain_query_tiles"] else "each query tile ends with its own last P.V and epilogue; chaining them "
         "into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where "
-        f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask",
+        f"{CHAIN_NEEDS}) measured 0.93-1.00x except at d128 without a mask{CHAIN_WITHOUT_LSE}",
         "split_tail": _split_tail_reason(_sm90_row(spec)) if f["split_tail"] else
         _sm90_row(spec).split_tail.elsewhere() if _split_tail_applies(spec) else
         f"not {SPLIT_NEEDS}: whole tiles to the end",

@@ -222,3 +222,8 @@ Q_PER_WARPGROUP_REASON = (
     "its previous ones). Against one pair of barriers per buffer on the H200 (both orders, 2026-12-02-s24a/b): "
     "d192/128 1.003-1.056x, causal 1.002-1.030x; d256 0.993-1.014x, causal 0.994-1.015x; Gemma 2's d256 window "
     "0.966x and d128's two-buffer chained tiles 0.982-0.986x keep the shared barriers")
+# d128's chained query tiles (TileRow.unmasked_chain) stay off where the spec returns the LSE
+CHAIN_WITHOUT_LSE = (
+    " and without LSE: with it (a training forward) unchained tiles measured 1.062x at d128 S=512, 1.027x at "
+    "2048 and 1.037x at 16384 against chained ones on the H200 (both orders, 2026-12-02-s24g), whose long-range "
+    "kernel (split tail) spilled 31 local loads and stores")

@@ -128,7 +128,7 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Specs whose plans split the tail (Plan.split_tail), with the plan of a query length and
     the split allowed from 1 key tile on (the planner's minimum would leave the test shapes
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
-    warpgroups with chained query tiles (d128), 3 warpgroups whose last query tile has rows past
+    warpgroups (d128, whose LSE leaves its query tiles unchained, and chained), 3 warpgroups whose last query tile has rows past
     Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
     softcap (the row statistics merged before the finalize weighs in the sink, the partial O
     added after it), and the long-range plans of d256 and d192 (one Q buffer, O without a
@@ -145,6 +145,9 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
             ("d192-long", AttentionSpec(head_dim=192, head_dim_v=128, return_lse=True), 2100)):
         p = plan_for_seqlen(spec, "sm_90a", seqlen)
         cases[name] = (spec, p.model_copy(update={"split_tail": True, "split_tail_min_key_tiles": 1}))
+    # chained query tiles (d128 chains them without LSE; the tests' split needs the LSE to check)
+    spec, p = cases["d128-gqa2"]
+    cases["d128-gqa2-chained"] = (spec, p.model_copy(update={"chain_query_tiles": True}))
     return cases
 
 

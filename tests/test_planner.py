@@ -366,7 +366,8 @@ def test_key_tiles_without_mask_code_run_against_a_stale_max_where_measured():
 
 def test_d128_without_a_mask_chains_its_query_tiles_where_measured():
     """Chained query tiles (Plan.chain_query_tiles) measured faster only at d128 without a mask;
-    masked, score-modified and other head dims keep them off, and say why."""
+    masked, score-modified and other head dims keep them off, and say why; so does a spec that
+    returns the LSE (measured slower chained), at every length, and tuning tries them there."""
     for chained in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=128, qhead_per_kvhead=8),
                     AttentionSpec(head_dim=128, head_dim_v=64)):
         p = plan(chained, "sm_90a")
@@ -375,12 +376,14 @@ def test_d128_without_a_mask_chains_its_query_tiles_where_measured():
     for kept in (AttentionSpec(head_dim=128, causal=True), AttentionSpec(head_dim=128, window_left=256),
                  AttentionSpec(head_dim=128, softcap=50.0), AttentionSpec(head_dim=128, score_mod={"kind": "alibi"}),
                  AttentionSpec(head_dim=64), AttentionSpec(head_dim=96), AttentionSpec(head_dim=192, head_dim_v=128),
-                 AttentionSpec(head_dim=256)):
-        p = plan(kept, "sm_90a")
-        assert not p.chain_query_tiles and "chaining them" in p.reasons["chain_query_tiles"], kept.summary()
+                 AttentionSpec(head_dim=256), AttentionSpec(head_dim=128, return_lse=True)):
+        for p in (plan(kept, "sm_90a"), *(split.plan for split in seqlen_splits(kept, "sm_90a"))):
+            assert not p.chain_query_tiles and "chaining them" in p.reasons["chain_query_tiles"], kept.summary()
+            assert "without LSE: with it" in p.reasons["chain_query_tiles"]
     # tuning tries the other choice where the kernel allows it
     assert any(p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
     assert any(not p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
+    assert any(p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128, return_lse=True), "sm_90a"))
     assert not any(p.chain_query_tiles for p in candidates(AttentionSpec(head_dim=256), "sm_90a"))
 
 

@@ -9,6 +9,8 @@
 #   F0..F8  'd256 causal S=512$': the planner's plan (F0) and, against it, heavy-first order (F1),
 #      one CTA per tile (F2), ping-pong (F3), one loop for every key tile (F4), the P.V wait pinned
 #      (F5), the next Q prefetched (F6), causal pairs to the end (F7), O in a buffer taken in turn (F8)
+#   L0, L1  'lse' (d128 with LSE, S=512/2048/16384): the planner's chained plan (L0) against
+#      unchained query tiles (L1, chain_query_tiles=false)
 source .devrt/setup.sh
 if [ "${JOBS:-}" = tune ]; then
   for v in F1 F2 F3 F4 F5 F6 F7 F8; do
@@ -21,8 +23,9 @@ for job in ${JOBS:-qwg}; do
   case $job in
     qwg) set -- s24a-ab-q-per-warpgroup B '';;
     qwgpf) set -- s24a-ab-q-per-warpgroup-prefetch C 'd256|d192';;
+    lse) set -- s24g-ab-lse-unchained L1 'lse';;
     qwgv) set -- s24b-ab-q-per-warpgroup-over-v D 'd256 |d256 causal|d192/128 causal';;
   esac
-  python3 -W ignore benchmarks/ab_kernels.py both build/ab/A "build/ab/$2" 6 "$3" > "$OUT/$1.log" 2>&1
+  python3 -W ignore benchmarks/ab_kernels.py both "build/ab/${BASE:-A}" "build/ab/$2" 6 "$3" > "$OUT/$1.log" 2>&1
   printf '== %s\n' "$1" && grep -E "both orders|->" "$OUT/$1.log" | tail -n 70
 done
