@@ -52,7 +52,9 @@ def variant_specs() -> dict[str, AttentionSpec]:
         # d64 causal: short launches run 4 consumer warpgroups (256-row tiles); specs/ has d64
         # causal only with windows, which keep 2 or 3
         "d64-causal-gqa2+lse": AttentionSpec(head_dim=64, causal=True, qhead_per_kvhead=2, return_lse=True),
-        # d128 without a mask chains its query tiles (Plan.chain_query_tiles): no spec in specs/ is one
+        # d128 without a mask chains its query tiles (Plan.chain_query_tiles) unless it returns
+        # the LSE: no spec in specs/ is one
+        "dense-gqa2": AttentionSpec(head_dim=128, qhead_per_kvhead=2),
         "dense-gqa2+lse": AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True),
         "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
                                         return_lse=True),
