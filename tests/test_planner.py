@@ -783,3 +783,19 @@ def test_a_split_over_the_register_pool_is_refused_before_compiling(tmp_path):
     with pytest.raises(ValueError, match="producer_regs 32 .* consumer_regs 240"):
         fa4gen.build(spec, "sm_90a", kernel_plan=over, cache_dir=tmp_path)
     assert not any(tmp_path.rglob("kernel.cubin"))
+
+
+def test_the_gpu_tests_plan_premises_hold():
+    """Plan properties the GPU tests assert before they launch (tests/test_gpu.py), checked here
+    too, so that a planner change that breaks one fails in CI rather than first on the GPU: the
+    chained d128 kernel without LSE, the long-range split tails, O over V for the keyless runs."""
+    from gpu_cases import keyless_cases, variant_specs
+
+    specs = variant_specs()
+    for length in (17, 300, 700, 1000):
+        p = plan_for_seqlen(specs["dense-gqa2"], "sm_90a", length)
+        assert p.chain_query_tiles and p.q_stages == 2 and not p.split_tail, length
+    for name, (length, keys) in {"dense-gqa2+lse": (4100, 4200)}.items():
+        p = plan_for_seqlen(specs[name], "sm_90a", length)
+        assert p.split_tail and -(-keys // p.tile_n) >= p.split_tail_min_key_tiles, name
+    assert all(p.o_staging == "over_v" for _, p in keyless_cases().values())
