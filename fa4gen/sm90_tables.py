@@ -214,8 +214,8 @@ Q_PREFETCH_REASON = (
     "2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal "
     "0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate")
 # Each consumer warpgroup's 64 Q rows may have their own full and empty barriers
-# (Plan.q_per_warpgroup): on where one Q buffer serves 2 warpgroups (d192, d256) and no left
-# window bounds the key tiles
+# (Plan.q_per_warpgroup): the planner takes them where one Q buffer serves 2 warpgroups (d192,
+# d256) and no left window bounds the key tiles
 Q_PER_WARPGROUP_REASON = (
     "a warpgroup's next Q rows load as soon as it has freed its own, and it starts once they are in, without "
     "waiting for the other warpgroup's rows (with O over V, warpgroup 0's rows wait for warpgroup 1 to have freed "
