@@ -38,6 +38,7 @@ from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMi
 from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
 from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec, load_spec
+from fa4gen.tuning import MIN_GAIN, tune
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
@@ -224,17 +225,23 @@ def tune_command(
                                          "2048,8192 where the main plan runs them]", show_default=False)] = "",
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over the candidates (alternating "
                                                                  "direction; even counts cancel drift).")] = 4,
+    min_gain: Annotated[float, typer.Option("--min-gain", min=0.0, help="How much faster than the planner's "
+                                            "default (a share: 0.02 = 2%) the fastest candidate must be to "
+                                            "be recorded; else the default is.")] = MIN_GAIN,
     cache_dir: CacheDirOption = None,
 ) -> None:
-    """On a GPU: time the planner's candidate plans for a spec and record the fastest, which
-    fa4gen.compile then uses on GPUs of this name."""
-    from fa4gen.tuning import tune
-
+    """On a GPU: time the planner's candidate plans for a spec and record the fastest (where it
+    beats the default by more than --min-gain), which fa4gen.compile then uses on GPUs of this name."""
     with _reporting_errors():
         lengths = tuple(int(part) for part in seqlens.split(",") if part.strip()) or None
         result = tune(load_spec(spec_file), arch, cache_dir=_cache_root(ctx, cache_dir), seqlens=lengths,
-                      log=typer.echo, rounds=rounds)
-    typer.echo(f"\nbest: {max(result.rows, key=lambda row: row['score'])['changes']}\nrecorded in {result.path}")
+                      log=typer.echo, rounds=rounds, min_gain=min_gain)
+    fastest = result.rows[result.fastest]
+    gain = fastest["score"] / result.rows[0]["score"] - 1.0
+    typer.echo(f"\nfastest: {fastest['changes']}" + (f" ({gain:+.1%} over the planner default)" if gain else ""))
+    if result.chosen != result.fastest:
+        typer.echo(f"within {result.min_gain:.1%} of the planner default: the default is recorded")
+    typer.echo(f"recorded in {result.path}")
 
 
 @app.command("emit")

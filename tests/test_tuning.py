@@ -103,6 +103,55 @@ def test_alternating_rounds_cancel_drift(tmp_path):
     assert single.best != best  # what one fixed-order pass would have picked
 
 
+def _one_ahead(share: float):
+    """A measure where the last candidate is ``share`` faster than all the others (no drift)."""
+    def measure(spec, plan, seqlens, cache_dir):
+        ahead = plan == candidates(spec, "sm_90a")[-1]
+        return [100.0 * (1.0 + share) if ahead else 100.0 for _ in seqlens]
+    return measure
+
+
+@pytest.mark.parametrize("share, min_gain, recorded", [(0.01, tuning.MIN_GAIN, "default"),
+                                                       (0.03, tuning.MIN_GAIN, "fastest"),
+                                                       (0.01, 0.0, "fastest")])
+def test_a_winner_within_the_margin_leaves_the_default_recorded(tmp_path, share, min_gain, recorded):
+    """The fastest candidate is recorded only when it beats the planner's default by more than
+    min_gain (tuning.MIN_GAIN: the tuner's noise on a shared GPU); else the default is."""
+    spec = fa4gen.AttentionSpec(head_dim=128)
+    plans = candidates(spec, "sm_90a")
+    result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_one_ahead(share),
+                         min_gain=min_gain)
+    assert result.fastest == len(plans) - 1
+    expected = plans[0] if recorded == "default" else plans[-1]
+    assert result.best == expected and result.chosen == plans.index(expected)
+    assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU") == expected
+    assert len(json.loads(result.path.read_text())["measurements"]) == len(plans)  # every candidate kept
+
+
+def test_negative_min_gain_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="min_gain must be >= 0"):
+        tuning.tune(SPECS[0], "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, min_gain=-0.01)
+
+
+@pytest.mark.parametrize("share, says", [(0.01, "within 2.0% of the planner default: the default is recorded"),
+                                         (0.03, "(+3.0% over the planner default)")])
+def test_tune_command_says_what_it_recorded(tmp_path, monkeypatch, share, says):
+    from typer.testing import CliRunner
+
+    from fa4gen import cli
+
+    real_tune = tuning.tune
+    monkeypatch.setattr(cli, "tune", lambda *args, **kw: real_tune(*args, device="GPU", measure=_one_ahead(share),
+                                                                    **kw))
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("head_dim: 128\n")
+    result = CliRunner().invoke(cli.app, ["--cache-dir", str(tmp_path / "cache"), "tune", str(spec_file)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "fastest: " in result.output and says in result.output
+    assert (share > tuning.MIN_GAIN) != ("the default is recorded" in result.output)
+
+
 def test_candidates_differ_in_schedule_not_only_in_reasons():
     for spec in (fa4gen.AttentionSpec(head_dim=64), fa4gen.AttentionSpec(head_dim=128, softcap=30.0), fa4gen.AttentionSpec(head_dim=256)):
         schedules = [p.model_dump(exclude={"reasons", "smem_bytes"}) for p in candidates(spec, "sm_90a")]
