@@ -3,11 +3,12 @@
 ``tune`` compiles the planner's candidate plans for a spec (``planner.candidates``), times each
 on a few shapes on the current GPU, and records the fastest in the cache directory, keyed by
 (arch, GPU name, spec), where it beats the planner's default by more than ``MIN_GAIN`` (else the
-default: a closer win is the noise of a shared GPU). ``fa4gen.compile`` then uses the recorded plan on a GPU of that name
-in place of the planner's default (calls in a length range of ``planner.seqlen_splits`` still
-run that range's plan); everywhere else (other GPUs, CPU-only cross-compiles, ``fa4gen warm``) the
-planner's table applies. Records are small JSON files written atomically; a record that no longer parses as a
-Plan (an older fa4gen) is ignored with a warning.
+default: a closer win is the noise of a shared GPU). ``fa4gen.compile`` then uses the recorded
+plan on a GPU of that name in place of the planner's default (calls in a length range of
+``planner.seqlen_splits`` still run that range's plan); everywhere else (other GPUs, CPU-only
+cross-compiles, ``fa4gen warm``) the planner's table applies. Records are small JSON files
+written atomically; a record that no longer parses as a Plan (an older fa4gen) is ignored with
+a warning.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ TUNED_DIR = "tuned"
 DEFAULT_SEQLENS = (2048, 8192)
 DEFAULT_ROUNDS = 4  # even: see tune()
 # A candidate replaces the planner's default only when its score beats the default's by more
-# than this share: on the shared H200, session 25's three tune calls each of d256 causal and d128
-# causal (BENCHMARKS.md) recorded a candidate 0.4-1.7% ahead of the default three times, a
+# than this share: on the shared H200 (session 25, BENCHMARKS.md), three of six tune calls (d256
+# causal and d128 causal, three each) recorded a candidate 0.4-1.7% ahead of the default, a
 # different one each time, and each of those read 0.955-0.988x of the default in another call
 MIN_GAIN = 0.02
 
