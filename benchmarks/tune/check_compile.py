@@ -5,9 +5,10 @@ tuner recorded for this GPU, and is that kernel right?
 
 Per spec it prints whether the compiled kernel's plan is the recorded one and whether the record
 is the planner's default, and checks the output against the fp32 reference on fresh random
-inputs (B=2, S=1000, 4 query heads: a ragged last query tile; outputs poisoned with NaN first;
-``fa4gen.testing.assert_close_to_reference``, which raises past 2x PyTorch's own bf16 error).
-Specs with run-time values (sinks, ALiBi slopes, documents, ...) are refused before any launch.
+inputs of the tuner's shapes (``bench.make_case``/``make_inputs`` at S=1000: a ragged last query
+tile), the output poisoned with NaN first (``fa4gen.testing.assert_close_to_reference``: raises
+past 2x PyTorch's own error in the spec's dtype). Specs with run-time values (sinks, ALiBi
+slopes, documents, ...) are refused before any launch.
 """
 
 from __future__ import annotations
@@ -18,23 +19,20 @@ from pathlib import Path
 import torch
 
 import fa4gen
-from fa4gen import testing, tuning
+from fa4gen import bench, testing, tuning
 from fa4gen.arch import Arch
 from fa4gen.cache import KernelCache
 
-BATCH, SEQLEN, HEADS = 2, 1000, 4
+SEQLEN = 1000  # not a multiple of any tile: a ragged last query tile
 
 
 def check(name: str) -> str:
     spec = fa4gen.load_spec(Path(__file__).parent / f"{name}.yaml")
     kernel = fa4gen.compile(spec)
     recorded = tuning.tuned_plan(KernelCache(None).root, spec, Arch.SM90A, tuning.current_device_name())
-    kv_heads = max(HEADS // spec.qhead_per_kvhead, 1)
-    q = torch.randn(BATCH, SEQLEN, kv_heads * spec.qhead_per_kvhead, spec.head_dim, device="cuda",
-                    dtype=torch.bfloat16)
-    k = torch.randn(BATCH, SEQLEN, kv_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(BATCH, SEQLEN, kv_heads, spec.dv, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((BATCH, SEQLEN, q.shape[2], spec.dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+    case = bench.make_case(spec, SEQLEN)  # the tuner's shape family: 16k tokens, model width 2048
+    q, k, v = bench.make_inputs(case)[0]
+    out = torch.full((*q.shape[:3], spec.dv), float("nan"), device=q.device, dtype=q.dtype)
     kernel(q, k, v, out=out)
     report = testing.assert_close_to_reference(spec, q, k, v, out)
     return (f"{name}: compile runs the recorded plan: {kernel.plan == recorded} | recorded = planner default: "
