@@ -130,8 +130,8 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Specs whose plans split the tail (Plan.split_tail), with the plan of a query length and
     the split allowed from 1 key tile on (the planner's minimum would leave the test shapes
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
-    warpgroups (d128, whose LSE leaves its query tiles unchained, and chained), 3 warpgroups whose last query tile has rows past
-    Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
+    warpgroups (d128, whose LSE leaves its query tiles unchained, and chained), 3 warpgroups
+    whose last query tile has rows past Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
     softcap (the row statistics merged before the finalize weighs in the sink, the partial O
     added after it), and the long-range plans of d256 and d192 (one Q buffer, O without a
     buffer of its own; d192's one plan splits at every length)."""
