@@ -16,7 +16,8 @@ from fa4gen.cache import CacheError, CacheMiss, KernelCache, UntrustedCacheError
 from fa4gen.emitter import EmittedKernel, emit  # noqa: E402
 from fa4gen.planner import Plan, plan  # noqa: E402
 from fa4gen.runtime import AttentionKernel  # noqa: E402
-from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_json_schema  # noqa: E402
+from fa4gen.spec import AttentionSpec, spec_json_schema  # noqa: E402
+from fa4gen.specfile import dump_spec, load_spec  # noqa: E402
 from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
 from fa4gen.runtime import prepare_loader as _prepare_loader  # noqa: E402
 

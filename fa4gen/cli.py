@@ -37,7 +37,8 @@ from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
 from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
 from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
-from fa4gen.spec import AttentionSpec, load_spec
+from fa4gen.spec import AttentionSpec
+from fa4gen.specfile import load_spec
 from fa4gen.tuning import MIN_GAIN, tune
 
 SPEC_SUFFIXES = (".yaml", ".yml")

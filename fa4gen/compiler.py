@@ -18,7 +18,8 @@ from typing import Any
 
 from fa4gen.emitter import EmittedKernel
 from fa4gen.planner import Plan, split_workspace_shape
-from fa4gen.spec import AttentionSpec, dump_spec
+from fa4gen.spec import AttentionSpec
+from fa4gen.specfile import dump_spec
 from fa4gen.variants import lower
 
 ENTRY = "fa4gen_attention"  # exported symbol of every artifact

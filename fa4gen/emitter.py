@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict
 from fa4gen import __version__
 from fa4gen.planner import Plan
 from fa4gen.expr import render_cute
-from fa4gen.spec import AttentionSpec, dump_spec
+from fa4gen.spec import AttentionSpec
+from fa4gen.specfile import dump_spec
 from fa4gen.variants import lower
 
 LOG2E = math.log2(math.e)

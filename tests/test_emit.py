@@ -21,7 +21,8 @@ from fa4gen.emitter import LOG2E, emit
 from fa4gen.planner import plan, seqlen_splits
 from fa4gen.expr import render_cute
 from fa4gen.variants import lower
-from fa4gen.spec import AttentionSpec, dump_spec, load_spec
+from fa4gen.spec import AttentionSpec
+from fa4gen.specfile import dump_spec, load_spec
 
 TESTS_DIR = Path(__file__).resolve().parent
 SPECS_DIR = TESTS_DIR.parent / "specs"

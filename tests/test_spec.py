@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import fa4gen
-from fa4gen.spec import AttentionSpec, dump_spec, load_spec, spec_from_yaml, spec_json_schema
+from fa4gen.spec import AttentionSpec, spec_json_schema
+from fa4gen.specfile import dump_spec, load_spec, spec_from_yaml
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))

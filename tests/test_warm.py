@@ -19,7 +19,7 @@ import pytest
 
 from fa4gen.cli import _candidate_jobs, collect_spec_files, warm_one
 from fa4gen.planner import candidates
-from fa4gen.spec import load_spec
+from fa4gen.specfile import load_spec
 
 ISOLATED_ENV = ("FA4GEN_CACHE_DIR", "FA4GEN_NO_COMPILE", "FA4GEN_CACHE_TRUSTED",
                 "FA4GEN_CACHE_SIZE_LIMIT", "FA4GEN_TOOLCHAIN")
