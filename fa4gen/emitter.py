@@ -7,6 +7,7 @@ the same (spec, plan) always gives byte-identical source (checked by golden-file
 
 from __future__ import annotations
 
+import keyword
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fa4gen import __version__
 from fa4gen.planner import Plan
+from fa4gen.expr import escaped as _escaped
 from fa4gen.expr import render_cute
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import dump_spec
@@ -48,7 +50,15 @@ def templates_dir() -> Path:
 
 
 def _comment(text: str) -> str:
-    return "\n".join(("#   " + line).rstrip() for line in text.rstrip("\n").splitlines())
+    """Comment lines that hold nothing but printable ASCII: Python ends a comment at characters
+    str.splitlines does not split on, so only escaped text is safe whatever the source."""
+    lines = text.rstrip("\n").splitlines()
+    return "\n".join(("#   " + _escaped(line)).rstrip() for line in lines)
+
+
+def _py_string(text: str) -> str:
+    """A Python string literal of text (a docstring, say): escaped, never pasted raw."""
+    return ascii(str(text))
 
 
 def _float_literal(value: float) -> str:
@@ -56,6 +66,13 @@ def _float_literal(value: float) -> str:
     if not math.isfinite(value):
         raise ValueError(f"cannot emit non-finite constant {value}")
     return repr(value)
+
+
+def _identifier(name: str) -> str:
+    """A name spliced into code as a token: checked here too, not only by the spec's validation."""
+    if not (isinstance(name, str) and name.isascii() and name.isidentifier() and not keyword.iskeyword(name)):
+        raise ValueError(f"refusing to emit {name!r}: not an ASCII identifier")
+    return name
 
 
 @lru_cache(maxsize=1)
@@ -70,6 +87,8 @@ def _environment():
     )
     env.filters["comment"] = _comment
     env.filters["float_literal"] = _float_literal
+    env.filters["py_string"] = _py_string
+    env.filters["identifier"] = _identifier
     return env
 
 
@@ -96,4 +115,6 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         extras=lowered.extras,
         chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
     )
+    if not source.isascii():  # every user-derived part is a validated token or escaped text
+        raise ValueError("emitted source is not ASCII: a spec value reached the template unescaped")
     return EmittedKernel(module_name=module_name, template=template_name, source=source)

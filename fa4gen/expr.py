@@ -17,12 +17,20 @@ The language:
 - aux tensors indexed by int expressions: ``bias[h, q_idx - kv_idx]``.
 Anything else (attribute access, other calls, lambdas, comprehensions, strings, ``**``,
 conditional expressions, dunder names...) is rejected with an error that points at it.
+
+Only the tree leaves this module: ``Expression.text`` is the canonical text rendered from it
+(comments and layout dropped), so no character a user wrote reaches generated code. Outside
+comments an expression is ASCII: Python folds look-alike letters (fullwidth, ligatures) into
+ASCII names, which would let ``ｂ`` silently read the batch index ``b``.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import math
+import re
+import tokenize
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -35,20 +43,42 @@ UNARY_FUNCTIONS = ("abs", "exp", "exp2", "log", "tanh")
 
 
 class ExpressionError(ValueError):
-    """A rejected expression; the message shows the text with a caret under the offending part."""
+    """A rejected expression; the message shows the text (escaped, one line) with a caret under the
+    offending part."""
 
     def __init__(self, text: str, node: ast.AST | None, reason: str):
-        column = getattr(node, "col_offset", None)
-        pointer = "" if column is None else f"\n  {text}\n  {' ' * column}^"
-        super().__init__(f"{reason}{pointer}")
+        column = _absolute_column(text, node)
+        super().__init__(f"{reason}{_pointer(text, column)}")
         self.reason = reason
         self.column = column
+
+
+def _absolute_column(text: str, node: ast.AST | None) -> int | None:
+    """The node's offset into the whole text (ast counts per line; text is ASCII outside comments,
+    so its byte columns are character columns)."""
+    column = getattr(node, "col_offset", None)
+    if column is None:
+        return None
+    lines = re.split(r"(?<=\r\n)|(?<=\r)(?!\n)|(?<=\n)", text)  # Python's line ends, not str.splitlines'
+    return sum(len(line) for line in lines[: node.lineno - 1]) + column
+
+
+def _pointer(text: str, column: int | None) -> str:
+    if column is None:
+        return ""
+    shown, at = escaped(text), len(escaped(text[:column]))
+    if at > 80:  # a window around the caret keeps the message short
+        shown, at = "..." + shown[at - 60 :], 63
+    if len(shown) > at + 60:
+        shown = shown[: at + 57] + "..."
+    return f"\n  {shown}\n  {' ' * at}^"
 
 
 @dataclass(frozen=True)
 class AuxTensor:
     dtype: Literal["int", "float"]
     ndim: int
+    dims: tuple[int | None, ...] | None = None  # fixed sizes (None: a call-time size); checks constant indices
 
 
 @dataclass(frozen=True)
@@ -189,13 +219,82 @@ class _Checker:
         if len(items) != tensor.ndim:
             raise self.fail(node, f"{name} has {tensor.ndim} dim(s), indexed with {len(items)}")
         indices = []
-        for item in items:
+        for axis, item in enumerate(items):
             index = self.visit(item, depth)
             if index.type != "int":
                 raise self.fail(item, f"indices of {name} must be integers")
+            self.check_constant_index(item, name, tensor, axis, index)
             indices.append(index)
         self.uses.add(name)
         return Node("index", tensor.dtype, name, tuple(indices))
+
+
+    def check_constant_index(self, item: ast.AST, name: str, tensor: AuxTensor, axis: int, index: Node) -> None:
+        """A constant index is checked here: the kernel reads aux tensors without bounds checks."""
+        value = _constant_int(index)
+        if value is None:
+            return
+        size = None if tensor.dims is None else tensor.dims[axis]
+        if value < 0:
+            raise self.fail(item, f"index {value} of {name} (dim {axis}) is negative: indices count from 0")
+        if size is not None and value >= size:
+            raise self.fail(item, f"index {value} of {name} (dim {axis}) is out of range: the dim has size {size}")
+
+
+def _constant_int(node: Node) -> int | None:
+    """The value of an int subtree without variables (None where it reads any, or divides by 0)."""
+    if node.type != "int":
+        return None
+    if node.kind == "const":
+        return node.value
+    args = [_constant_int(arg) for arg in node.args]
+    if not args or any(a is None for a in args):
+        return None
+    if node.kind == "neg":
+        return -args[0]
+    if node.kind == "bin" and node.value in ("+", "-", "*"):
+        a, b = args
+        return a + b if node.value == "+" else a - b if node.value == "-" else a * b
+    if node.kind == "bin" and node.value == "//" and args[1] != 0:
+        return args[0] // args[1]
+    if node.kind == "call" and node.value in ("min", "max", "abs"):
+        return {"min": min, "max": max, "abs": abs}[node.value](*args)
+    return None
+
+
+def _syntax_position(exc: SyntaxError) -> ast.AST | None:
+    """A SyntaxError's place as a node position (its offset counts from 1)."""
+    if not exc.lineno or not exc.offset:
+        return None
+    return ast.Pass(lineno=exc.lineno, col_offset=max(exc.offset - 1, 0))
+
+
+def _check_characters(text: str) -> None:
+    """Control characters anywhere, and non-ASCII outside comments, are refused with a caret."""
+    for column, char in enumerate(text):
+        if (ord(char) < 0x20 and char not in "\t\n\r") or ord(char) == 0x7F:
+            raise ExpressionError("", None, f"control character U+{ord(char):04X} at column {column} is not allowed")
+    try:
+        code = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type != tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError, ValueError):
+        code = [text]  # not tokenizable: no comment can be told apart, so every character counts
+    for part in code:
+        if not part.isascii():
+            bad = next(c for c in part if not c.isascii())
+            raise ExpressionError("", None, f"non-ASCII character {bad!r} (U+{ord(bad):04X}) in "
+                                  f"'{_printable(part)}': expressions are ASCII outside comments")
+
+
+def escaped(text: str) -> str:
+    """ASCII-printable form of text: what an error message may echo."""
+    shown = text.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
+
+
+def _printable(text: str) -> str:
+    """Text safe to show in a one-line error: escaped, and cut where it is long."""
+    shown = escaped(text)
+    return shown if len(shown) <= 120 else shown[:117] + "..."
 
 
 def parse(
@@ -209,29 +308,72 @@ def parse(
     """Parse and type-check ``text``: a score modifier (``result="number"``, ``score`` in scope)
     or a mask (``result="condition"``, True where a key is visible)."""
     if not isinstance(text, str) or not text.strip():
-        raise ExpressionError(str(text), None, "an expression must be a non-empty string")
+        raise ExpressionError("", None, "an expression must be a non-empty string")
     if len(text) > MAX_LENGTH:
-        raise ExpressionError(text[:60] + "...", None, f"expression longer than {MAX_LENGTH} characters")
+        raise ExpressionError("", None, f"expression longer than {MAX_LENGTH} characters")
+    text = text.strip()
+    _check_characters(text)
     variables: dict[str, Type] = {name: "int" for name in INDEX_VARIABLES}
     if score:
         variables["score"] = "float"
     for name, kind in (scalars or {}).items():
-        if name in variables or not name.isidentifier() or name.startswith("__"):
-            raise ExpressionError(text, None, f"scalar name {name!r} is not allowed")
+        if name in variables or not (name.isascii() and name.isidentifier()) or name.startswith("__"):
+            raise ExpressionError("", None, f"scalar name {_printable(name)!r} is not allowed")
         variables[name] = kind
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise ExpressionError(text, None, f"not a valid expression: {exc.msg}") from None
+        raise ExpressionError(text, _syntax_position(exc), f"not a valid expression: {exc.msg}") from None
     except (ValueError, RecursionError, MemoryError):
-        raise ExpressionError(text[:60], None, "expression could not be parsed") from None
-    checker = _Checker(text.strip(), variables, dict(aux or {}))
+        raise ExpressionError(text, None, "expression could not be parsed") from None
+    checker = _Checker(text, variables, dict(aux or {}))
     root = checker.visit(tree.body)
     if result == "condition" and root.type != "bool":
         raise ExpressionError(text, tree.body, "a mask must be a condition (True where a key is visible)")
     if result == "number" and root.type == "bool":
         raise ExpressionError(text, tree.body, "a score modifier must be a number, not a condition")
-    return Expression(text=text.strip(), root=root, uses=frozenset(checker.uses))
+    return Expression(text=render_text(root), root=root, uses=frozenset(checker.uses))
+
+
+# ----------------------------------------------------------------------------- canonical text
+# binding strength as in Python; children that bind less tightly than their parent get parentheses
+_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "neg": 7}
+_ATOM = 8
+
+
+def _precedence(node: Node) -> int:
+    if node.kind == "bin":
+        return _PRECEDENCE[node.value]
+    return _PRECEDENCE.get(node.kind, _ATOM)
+
+
+def render_text(node: Node) -> str:
+    """The canonical text of a tree: ASCII names, numbers and operators only, and parsing it gives
+    the same tree back (so it is a fixed point, and safe to show in generated code)."""
+
+    def wrap(child: Node, tighter_than: int) -> str:
+        text = render_text(child)
+        return text if _precedence(child) > tighter_than else f"({text})"
+
+    if node.kind == "const":
+        return repr(node.value)
+    if node.kind == "var":
+        return node.value
+    if node.kind == "neg":
+        return "-" + wrap(node.args[0], _PRECEDENCE["neg"])
+    if node.kind == "not":
+        return "not " + wrap(node.args[0], _PRECEDENCE["not"] - 1)
+    if node.kind in ("and", "or"):  # nested and/or keep their parentheses: the tree stays the same
+        return f" {node.kind} ".join(wrap(arg, _PRECEDENCE[node.kind]) for arg in node.args)
+    if node.kind == "cmp":
+        left, right = node.args
+        return f"{wrap(left, _PRECEDENCE['cmp'])} {node.value} {wrap(right, _PRECEDENCE['cmp'])}"
+    if node.kind == "bin":
+        level = _PRECEDENCE[node.value]  # left-associative: only the right operand needs the tie broken
+        left, right = node.args
+        return f"{wrap(left, level - 1)} {node.value} {wrap(right, level)}"
+    args = ", ".join(render_text(arg) for arg in node.args)
+    return f"{node.value}[{args}]" if node.kind == "index" else f"{node.value}({args})"
 
 
 # ----------------------------------------------------------------------------- PyTorch

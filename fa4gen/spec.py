@@ -8,8 +8,9 @@ the bad value and what is allowed, so a bad YAML file fails before anything is p
 from __future__ import annotations
 
 import json
+import keyword
 import math
-from pathlib import Path
+import unicodedata
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -144,6 +145,19 @@ class AuxTensorSpec(_Part):
             if isinstance(dim, int) and not 1 <= dim <= 2**31 - 1:
                 raise ValueError(f"aux dimension {dim} is not allowed: use 1..2^31-1 or one of {', '.join(SIZE_NAMES)}")
         return value
+
+
+def _check_declared_name(name: str) -> None:
+    """Declared names become identifiers in generated code: plain ASCII, so no two differ only by
+    Unicode forms Python folds together (fullwidth ``ｂ`` reads as the batch index ``b``)."""
+    if not name.isascii():
+        folded = unicodedata.normalize("NFKC", name)
+        hint = f" (Python reads it as {folded!r})" if folded.isascii() and folded.isidentifier() else ""
+        shown = name.encode("ascii", "backslashreplace").decode()[:80]
+        raise ValueError(f"aux/scalar name '{shown}' is not allowed: names are ASCII letters, digits and _{hint}")
+    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name in RESERVED_NAMES:
+        raise ValueError(f"aux/scalar name {name[:80]!r} is not allowed: use an ASCII identifier that is not a Python "
+                         f"keyword, not one of {', '.join(sorted(RESERVED_NAMES))}, and does not start with _")
 
 
 MaskField = Annotated[
@@ -332,16 +346,27 @@ class AttentionSpec(BaseModel):
         if kind == "chunked" and self.window_right not in (None, 0):
             raise ValueError(f"mask: chunked is causal within each chunk: window_right={self.window_right} conflicts")
         for name in (*self.aux, *self.scalars):
-            if not name.isidentifier() or name.startswith("_") or name in RESERVED_NAMES:
-                raise ValueError(f"aux/scalar name {name!r} is not allowed: use an identifier that is not one of "
-                                 f"{', '.join(sorted(RESERVED_NAMES))} and does not start with _")
+            _check_declared_name(name)
         both = set(self.aux) & set(self.scalars)
         if both:
             raise ValueError(f"{', '.join(sorted(both))} declared both as aux tensor and as scalar")
+        return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _canonical_expressions(cls, data: Any, handler: Any) -> AttentionSpec:
+        """Expressions are kept as the canonical text of their parsed tree (comments and layout
+        dropped), so a spec carries no user text into generated code and equal trees hash equal."""
         from fa4gen.variants import lower  # expressions parse against the declared names
 
-        lower(self)
-        return self
+        spec = handler(data)
+        lowered = lower(spec)
+        update = {}
+        if lowered.mask is not None and spec.mask.expr != lowered.mask.text:
+            update["mask"] = {"kind": "expression", "expr": lowered.mask.text}
+        if lowered.score is not None and spec.score_mod.kind == "expression" and spec.score_mod.expr != lowered.score.text:
+            update["score_mod"] = {"kind": "expression", "expr": lowered.score.text}
+        return handler({**spec.model_dump(), **update}) if update else spec
 
     # ---- resolved values (what the planner and kernel use) ----
     @property

@@ -100,7 +100,8 @@ def lower(spec: AttentionSpec) -> Lowered:
     # sorted by name: the canonical spec (and so the cache key) does not keep declaration order
     extras += [Extra(name, "aux", aux.dtype, tuple(aux.shape)) for name, aux in sorted(spec.aux.items())]
     extras += [Extra(name, "scalar", dtype) for name, dtype in sorted(spec.scalars.items())]
-    tensors = {e.name: AuxTensor(_KIND[e.dtype], len(e.shape)) for e in extras
+    tensors = {e.name: AuxTensor(_KIND[e.dtype], len(e.shape), tuple(d if isinstance(d, int) else None for d in e.shape))
+               for e in extras
                if e.role in ("aux", "alibi_slopes", "rel_bias")}
     scalars = {e.name: _KIND[e.dtype] for e in extras if e.role == "scalar"}
     score = mask = None

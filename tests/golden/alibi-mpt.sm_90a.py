@@ -58,7 +58,7 @@ SOFTMAX_SCALE = 0.08838834764831843
 
 @cute.jit
 def score_mod(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    """score - alibi_slopes[h] * abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)"""
+    'score - alibi_slopes[h] * abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)'
     score = s * Float32(SOFTMAX_SCALE)
     score = Float32((score - (args.alibi_slopes[h] * Float32(cutlass.max(((q_idx + (seqlen_k - seqlen_q)) - kv_idx), -((q_idx + (seqlen_k - seqlen_q)) - kv_idx))))))
     return score

@@ -71,7 +71,7 @@ INV_SOFTCAP = 0.03333333333333333
 
 @cute.jit
 def score_mod(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    """score * temperature[h] - strength * log(1.0 + abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)), soft-capped"""
+    'score * temperature[h] - strength * log(1.0 + abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)), soft-capped'
     score = s * Float32(SOFTMAX_SCALE)
     score = Float32(((score * args.temperature[h]) - (args.strength * cute.math.log(Float32((Float32(1.0) + Float32(cutlass.max(((q_idx + (seqlen_k - seqlen_q)) - kv_idx), -((q_idx + (seqlen_k - seqlen_q)) - kv_idx))))), fastmath=True))))
     return Float32(SOFTCAP) * cute.math.tanh(score * Float32(INV_SOFTCAP), fastmath=True)

@@ -64,7 +64,7 @@ SCALE_LOG2 = 0.12751743082459868
 
 @cute.jit
 def mask_mod(b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    """Visible where: kv_idx < sink_tokens or q_idx + (seqlen_k - seqlen_q) - kv_idx < window"""
+    'Visible where: kv_idx < sink_tokens or q_idx + (seqlen_k - seqlen_q) - kv_idx < window'
     return ((kv_idx < args.sink_tokens) | (((q_idx + (seqlen_k - seqlen_q)) - kv_idx) < args.window))
 
 

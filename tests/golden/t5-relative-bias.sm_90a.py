@@ -59,7 +59,7 @@ SOFTMAX_SCALE = 1.0
 
 @cute.jit
 def score_mod(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    """score + rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -128), 128) + 128]"""
+    'score + rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -128), 128) + 128]'
     score = s * Float32(SOFTMAX_SCALE)
     score = Float32((score + args.rel_bias[h, (cutlass.min(cutlass.max(((kv_idx - q_idx) - (seqlen_k - seqlen_q)), (-Int32(128))), Int32(128)) + Int32(128))]))
     return score
