@@ -4,7 +4,7 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
     git worktree add /tmp/base be7e649                                # any machine
     PYTHONPATH=/tmp/base python benchmarks/ab_kernels.py build .devcache/ab-old [REGEX]
     python benchmarks/ab_kernels.py build .devcache/ab-new [REGEX]
-    python benchmarks/ab_kernels.py build .devcache/ab-t176 'd128' tile_n=176     # a plan variant
+    python benchmarks/ab_kernels.py build .devcache/ab-t176 'd128 causal' tile_n=176   # a plan variant
     python benchmarks/ab_kernels.py run .devcache/ab-old .devcache/ab-new [ROUNDS]    # on the GPU
     python benchmarks/ab_kernels.py run .devcache/ab-old current [ROUNDS [REGEX]]   # new: the kernel cache
     python benchmarks/ab_kernels.py both .devcache/ab-a .devcache/ab-b [ROUNDS [REGEX]]  # both orders, combined
@@ -14,10 +14,10 @@ and by the working tree, timed on the same inputs in alternating order, outputs 
 (each cell's plan as the planner picks it for its length) and of the variants
 (benchmarks/variants.py), plus the dense causal kernel the documents compare with (only
 the labels REGEX matches, if given), and copies each entry under DIR by label (DIR/index.json).
-With FIELD=VALUE arguments each plan has those Plan fields changed and is refitted to shared
-memory as ``fa4gen tune``'s candidates are (planner.sm90_variant, sm90_refit: e.g. tile_n=176
-gives up the second Q buffer and stages O over Q), so one tree measures a plan variant against
-its own plans.
+With FIELD=VALUE arguments each plan has those config fields (fa4gen.kernels.sm90.config)
+changed and is refitted to shared memory as ``fa4gen tune``'s candidates are (Plan.with_config,
+planner.candidates.sm90_refit: e.g. tile_n=176 gives up the second Q buffer and stages O over V),
+so one tree measures a plan variant against its own plans.
 ``run`` loads the old side by path (no cache lookup, so the tree on the GPU machine need not
 match it) and the new side likewise, or with ``current`` through fa4gen.compile (the working
 tree's plans, from FA4GEN_CACHE_DIR); checks that both give the same output, times ROUNDS rounds
@@ -85,14 +85,18 @@ def _targets() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
 
 
 def _changed(plan: fa4gen.Plan, changes: dict) -> fa4gen.Plan:
-    """``plan`` with ``changes`` (Plan fields) applied and refitted to shared memory."""
-    from fa4gen import planner
-
+    """``plan`` with ``changes`` (config fields) applied and refitted to shared memory."""
     if not changes:
         return plan
+    from fa4gen.planner import plan_problem
+    from fa4gen.planner.candidates import sm90_refit
+
+    unknown = sorted(set(changes) - set(type(plan.config).model_fields))
+    if unknown:
+        sys.exit(f"not config fields: {', '.join(unknown)}")
     why = ", ".join(f"{field}={value}" for field, value in changes.items())
-    changed = planner.sm90_refit(planner.sm90_variant(plan, why, **changes), why)
-    problem = planner.plan_problem(changed)
+    changed = sm90_refit(plan.with_config(why, **changes), why)
+    problem = plan_problem(changed)
     if problem:
         sys.exit(f"{why}: {problem}")
     return changed
@@ -116,8 +120,12 @@ def build(directory: Path, pattern: str = "", changes: dict | None = None) -> No
         if not target.exists():
             shutil.copytree(entry, target)
         index[label] = {"entry": entry.name, "spec": spec.model_dump(mode="json")}
-        print(f"{label:45} {entry.name[:12]} tile {plan.tile_m}x{plan.tile_n}, {plan.kv_stages} K/V stages, "
-              f"{plan.q_stages} Q, O {plan.o_staging}", flush=True)
+        c = getattr(plan, "config", plan)  # (a baseline tree's Plan may hold its fields itself)
+        print(
+            f"{label:45} {entry.name[:12]} tile {c.tile_m}x{c.tile_n}, {c.kv_stages} K/V stages, "
+            f"{c.q_stages} Q, O {c.o_staging}",
+            flush=True,
+        )
     (directory / "index.json").write_text(json.dumps(index, indent=1))
 
 
@@ -131,9 +139,21 @@ def _load(directory: Path | None, label: str):
     item = json.loads((directory / "index.json").read_text())[label]
     path = directory / item["entry"]
     spec = fa4gen.AttentionSpec.model_validate(item["spec"])
-    # a baseline's plan may predate fields of today's Plan: the kernel only reads its tile sizes
-    plan = fa4gen.Plan.model_construct(**json.loads((path / "plan.json").read_text()))
+    plan = _stored_plan(json.loads((path / "plan.json").read_text()))
     return AttentionKernel(spec=spec, plan=plan, function=load_function(path, "cu13"), key=path.name, path=path)
+
+
+def _stored_plan(data: dict) -> fa4gen.Plan:
+    """A build's plan.json as today's Plan, unvalidated: a baseline's may predate or outlive
+    config fields, or (before Sm90FwdConfig) hold them in the plan itself; the runtime reads only
+    the tile sizes and the split tail's from it."""
+    from fa4gen.kernels.sm90.config import Sm90FwdConfig
+
+    fields = data.get("config", data)
+    config = Sm90FwdConfig.model_construct(**{k: v for k, v in fields.items() if k in Sm90FwdConfig.model_fields})
+    return fa4gen.Plan.model_construct(
+        arch=data.get("arch", "sm_90a"), kernel=data.get("kernel", ""), config=config, reasons=data.get("reasons", {})
+    )
 
 
 def _workload(label: str, spec: fa4gen.AttentionSpec):
@@ -147,8 +167,14 @@ def _workload(label: str, spec: fa4gen.AttentionSpec):
     inputs = V.make_inputs(variant, max(1, q_heads // spec.qhead_per_kvhead), q_heads)
     args = variant.make_args(inputs)
     packed, total = spec.is_varlen, variant.batch * variant.seqlen
-    flops = V.attention_flops(spec, 1 if packed else variant.batch, total if packed else variant.seqlen,
-                              total if packed else variant.seqlen, q_heads, args)
+    flops = V.attention_flops(
+        spec,
+        1 if packed else variant.batch,
+        total if packed else variant.seqlen,
+        total if packed else variant.seqlen,
+        q_heads,
+        args,
+    )
     return inputs, args, flops
 
 
@@ -159,7 +185,9 @@ def _rounds(functions: dict, workloads: dict, rounds: int) -> dict[str, list[flo
         for name in list(functions)[:: 1 if turn % 2 == 0 else -1]:
             inputs, args, flops = workloads[name]
             fn = functions[name]
-            times[name].append(flops / bench.time_ms(lambda q, k, v, fn=fn: fn(q, k, v, **args), inputs) / 1e9)
+            times[name].append(
+                flops / bench.time_ms(lambda q, k, v, fn=fn, args=args: fn(q, k, v, **args), inputs) / 1e9
+            )
     return times
 
 
@@ -196,8 +224,11 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
         t = _rounds({"old": old, "new": new}, {"old": workload, "new": workload}, rounds)
         gain = sum(t["new"]) / sum(t["old"])
         gains[label] = gain
-        print(f"{label:45} old {sum(t['old']) / rounds:6.1f} new {sum(t['new']) / rounds:6.1f} new/old {gain:.3f} "
-              f"max|new-old| {differ:.1e}", flush=True)
+        print(
+            f"{label:45} old {sum(t['old']) / rounds:6.1f} new {sum(t['new']) / rounds:6.1f} new/old {gain:.3f} "
+            f"max|new-old| {differ:.1e}",
+            flush=True,
+        )
         if new.spec.is_varlen:
             documents = (label, new, workload)
     print(f"geometric mean new/old over {len(gains)}: {math.exp(sum(map(math.log, gains.values())) / len(gains)):.3f}")
@@ -205,10 +236,16 @@ def run(old_dir: Path, new_dir: Path | None, rounds: int, pattern: str = "") -> 
     if documents and DENSE in new_labels:
         label, kernel, workload = documents
         dense = _load(new_dir, DENSE)
-        t = _rounds({"documents": kernel, "dense": dense},
-                    {"documents": workload, "dense": _workload(DENSE, dense.spec)}, rounds)
-        print(f"new documents {sum(t['documents']) / rounds:.1f} against dense causal {sum(t['dense']) / rounds:.1f} "
-              f"TFLOP/s: {sum(t['documents']) / sum(t['dense']):.3f} per useful FLOP", flush=True)
+        t = _rounds(
+            {"documents": kernel, "dense": dense},
+            {"documents": workload, "dense": _workload(DENSE, dense.spec)},
+            rounds,
+        )
+        print(
+            f"new documents {sum(t['documents']) / rounds:.1f} against dense causal {sum(t['dense']) / rounds:.1f} "
+            f"TFLOP/s: {sum(t['documents']) / sum(t['dense']):.3f} per useful FLOP",
+            flush=True,
+        )
     return gains
 
 
@@ -256,8 +293,12 @@ def main(argv: list[str]) -> None:
         changes = dict(arg.split("=", 1) for arg in argv[3:])
         build(directory, argv[2] if len(argv) > 2 else "", {k: _field_value(v) for k, v in changes.items()})
     elif len(argv) >= 3 and argv[0] == "run":
-        run(Path(argv[1]), None if argv[2] == "current" else Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8,
-            argv[4] if len(argv) > 4 else "")
+        run(
+            Path(argv[1]),
+            None if argv[2] == "current" else Path(argv[2]),
+            int(argv[3]) if len(argv) > 3 else 8,
+            argv[4] if len(argv) > 4 else "",
+        )
     elif len(argv) >= 3 and argv[0] == "both":
         both(Path(argv[1]), Path(argv[2]), int(argv[3]) if len(argv) > 3 else 8, argv[4] if len(argv) > 4 else "")
     elif len(argv) == 3 and argv[0] == "combine":

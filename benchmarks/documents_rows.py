@@ -45,8 +45,10 @@ def main() -> None:
     total = docs.batch * docs.seqlen
     flops = V.attention_flops(spec, 1, total, total, q_heads, args)
     built = fa4gen.compile(spec)
-    kernels = {"as built": built,
-               "row loads": RowLoads(spec=spec, plan=built.plan, function=built._function, key="rows", path=built.path)}
+    kernels = {
+        "as built": built,
+        "row loads": RowLoads(spec=spec, plan=built.plan, function=built._function, key="rows", path=built.path),
+    }
     tiles = built._document_tables(args["cu_seqlens_q"], args["cu_seqlens_k"], total)[1]
     print(f"{docs.name}: {tiles.shape[0]} query tiles, {int(tiles[:, 5].sum())} inside one document", flush=True)
     q, k, v = inputs[0]

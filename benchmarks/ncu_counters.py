@@ -25,14 +25,24 @@ import sys
 import fa4gen
 from fa4gen import bench
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "SchedulerStats",
-            "WarpStateStats", "InstructionStats", "LaunchStats", "Occupancy", "SourceCounters")
+SECTIONS = (
+    "SpeedOfLight",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+    "SchedulerStats",
+    "WarpStateStats",
+    "InstructionStats",
+    "LaunchStats",
+    "Occupancy",
+    "SourceCounters",
+)
 WARMUP = 3
 
 
 def _case(args) -> bench.BenchCase:
-    spec = fa4gen.AttentionSpec(head_dim=args.head_dim, head_dim_v=args.dv or args.head_dim,
-                                causal=args.causal, qhead_per_kvhead=args.gqa)
+    spec = fa4gen.AttentionSpec(
+        head_dim=args.head_dim, head_dim_v=args.dv or args.head_dim, causal=args.causal, qhead_per_kvhead=args.gqa
+    )
     return bench.make_case(spec, args.seqlen)
 
 
@@ -73,7 +83,16 @@ def _ncu() -> str:
 
 
 def _cell_arguments(args) -> list[str]:
-    cell = ["--head-dim", str(args.head_dim), "--dv", str(args.dv), "--seqlen", str(args.seqlen), "--gqa", str(args.gqa)]
+    cell = [
+        "--head-dim",
+        str(args.head_dim),
+        "--dv",
+        str(args.dv),
+        "--seqlen",
+        str(args.seqlen),
+        "--gqa",
+        str(args.gqa),
+    ]
     return cell + (["--causal"] if args.causal else [])
 
 
@@ -81,7 +100,9 @@ def parent(args) -> None:
     ncu = _ncu()
     for impl in args.impls.split(","):
         print(f"===== {impl}: {_case(args).name} S={args.seqlen}", flush=True)
-        report = os.path.join(args.out_dir or "/tmp", f"{impl}-d{args.head_dim}{'c' if args.causal else ''}-{args.seqlen}")
+        report = os.path.join(
+            args.out_dir or "/tmp", f"{impl}-d{args.head_dim}{'c' if args.causal else ''}-{args.seqlen}"
+        )
         command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "-f", "-o", report]
         for section in SECTIONS:
             command += ["--section", section]
@@ -90,8 +111,11 @@ def parent(args) -> None:
         subprocess.run([ncu, "-i", report + ".ncu-rep", "--print-details", "all"], check=False)
         if args.out_dir:
             with open(report + ".csv", "w") as sass:
-                subprocess.run([ncu, "-i", report + ".ncu-rep", "--page", "source", "--print-source", "sass", "--csv"],
-                               check=False, stdout=sass)
+                subprocess.run(
+                    [ncu, "-i", report + ".ncu-rep", "--page", "source", "--print-source", "sass", "--csv"],
+                    check=False,
+                    stdout=sass,
+                )
             os.remove(report + ".ncu-rep")
 
 

@@ -35,8 +35,11 @@ def warm(args) -> None:
     for spec in bench.specs_of(bench.grid(args.grid)):
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a")
-        print(f"{spec.summary():32} {'compiled' if result.any_built_now else 'cached':8} "
-              f"{time.perf_counter() - started:5.1f} s", flush=True)
+        print(
+            f"{spec.summary():32} {'compiled' if result.any_built_now else 'cached':8} "
+            f"{time.perf_counter() - started:5.1f} s",
+            flush=True,
+        )
 
 
 def environment() -> dict:
@@ -74,12 +77,15 @@ def run(args) -> None:
 def report(args) -> None:
     runs = [json.loads(Path(p).read_text()) for p in args.files]
     order = {(case.name, case.seqlen): i for i, case in enumerate(bench.grid("full"))}
-    rows = sorted((row for r in runs for row in r["rows"]),
-                  key=lambda row: order.get((row["case"], row["seqlen"]), len(order)))
+    rows = sorted(
+        (row for r in runs for row in r["rows"]), key=lambda row: order.get((row["case"], row["seqlen"]), len(order))
+    )
     env = runs[0]["environment"]
-    print(f"Measured {env['date']} on {env['device']}: torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
-          f"{env['cudnn']}), flash-attn-4 {env['flash-attn-4']}, fa4gen {env['fa4gen']}. Dense bf16 "
-          f"matmul ceiling in the same run: {runs[0]['ceiling_tflops']:.0f} TFLOP/s.\n")
+    print(
+        f"Measured {env['date']} on {env['device']}: torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
+        f"{env['cudnn']}), flash-attn-4 {env['flash-attn-4']}, fa4gen {env['fa4gen']}. Dense bf16 "
+        f"matmul ceiling in the same run: {runs[0]['ceiling_tflops']:.0f} TFLOP/s.\n"
+    )
     print(bench.markdown_table(rows))
     print("\n| peer | cells | min ratio | geomean ratio |\n|---|---|---|---|")
     for peer, stats in bench.ratio_summary(rows).items():
@@ -94,8 +100,9 @@ def main(argv=None) -> None:
         p.add_argument("--grid", choices=("full", "quick"), default="full")
         p.add_argument("--part", default="1/1", help="run every k-th case: i/k")
     sub.choices["run"].add_argument("--out", default="")
-    sub.choices["run"].add_argument("--match", default="", help="only cases whose name contains one of these "
-                                    "comma-separated words")
+    sub.choices["run"].add_argument(
+        "--match", default="", help="only cases whose name contains one of these comma-separated words"
+    )
     sub.choices["run"].add_argument("--peers", default=",".join(bench.PEERS))
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

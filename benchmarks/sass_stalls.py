@@ -26,8 +26,19 @@ import csv
 import sys
 from dataclasses import dataclass
 
-STALLS = ("stall_barrier", "stall_dispatch", "stall_long_sb", "stall_math", "stall_mio", "stall_not_selected",
-          "stall_selected", "stall_short_sb", "stall_wait", "stall_branch_resolving", "stall_no_inst")
+STALLS = (
+    "stall_barrier",
+    "stall_dispatch",
+    "stall_long_sb",
+    "stall_math",
+    "stall_mio",
+    "stall_not_selected",
+    "stall_selected",
+    "stall_short_sb",
+    "stall_wait",
+    "stall_branch_resolving",
+    "stall_no_inst",
+)
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,15 @@ def load(path: str) -> list[Instruction]:
     for index, row in enumerate(rows[2:]):
         text = row[column["Source"]].strip()
         if text:
-            found.append(Instruction(index, text, _number(row[column["# Samples"]]),
-                                     _number(row[column["Instructions Executed"]]),
-                                     {s: _number(row[column[s]]) for s in STALLS}))
+            found.append(
+                Instruction(
+                    index,
+                    text,
+                    _number(row[column["# Samples"]]),
+                    _number(row[column["Instructions Executed"]]),
+                    {s: _number(row[column[s]]) for s in STALLS},
+                )
+            )
     return found
 
 
@@ -82,15 +99,18 @@ def compare(ours: str, peer: str, top: int = 20) -> None:
         loops[label] = (loop, iterations)
         total = sum(i.samples for i in instructions)
         in_loop = sum(i.samples for i in loop)
-        print(f"{label}: {path}: {len(loop)} instructions in the loop, {iterations} warp iterations, "
-              f"{in_loop / iterations * 1000:.1f} samples per 1000 iterations ({in_loop / total:.0%} of all samples)")
+        print(
+            f"{label}: {path}: {len(loop)} instructions in the loop, {iterations} warp iterations, "
+            f"{in_loop / iterations * 1000:.1f} samples per 1000 iterations ({in_loop / total:.0%} of all samples)"
+        )
     counts = {label: collections.Counter(i.opcode for i in loop) for label, (loop, _) in loops.items()}
     samples = {label: collections.Counter() for label in loops}
     for label, (loop, _) in loops.items():
         for i in loop:
             samples[label][i.opcode] += i.samples
-    opcodes = sorted(set(counts["ours"]) | set(counts["peer"]),
-                     key=lambda op: -(samples["ours"][op] + samples["peer"][op]))
+    opcodes = sorted(
+        set(counts["ours"]) | set(counts["peer"]), key=lambda op: -(samples["ours"][op] + samples["peer"][op])
+    )
     print(f"\n{'opcode':12} {'ours':>5} {'peer':>5} {'ours/1k it':>11} {'peer/1k it':>11}")
     for op in opcodes:
         per = {label: samples[label][op] / loops[label][1] * 1000 for label in loops}
@@ -123,8 +143,10 @@ def by_count(path: str, groups: int = 4, top: int = 12) -> None:
         if samples / total < 0.001:
             continue
         per = samples / executed * 1000 if executed else 0.0
-        print(f"{executed:11d} {len(members):6d} {members[0].index:6d} {members[-1].index:6d} "
-              f"{samples / total:8.2%} {per:11.2f}")
+        print(
+            f"{executed:11d} {len(members):6d} {members[0].index:6d} {members[-1].index:6d} "
+            f"{samples / total:8.2%} {per:11.2f}"
+        )
     scale = 100 / total
     for executed, members in ranked[:groups]:
         print(f"\nexecuted {executed} times: the {top} instructions with the most samples (% of all)")

@@ -5,7 +5,7 @@ default, timed with cuDNN beside it, in one process on the GPU.
     python benchmarks/schedule_options.py run      # on the GPU
     python benchmarks/schedule_options.py run 1024,2048 default,heavy-first   # some seqlens / rows
     python benchmarks/schedule_options.py ab 4096,16384 default,long   # two rows, A B fa4 B A
-    python benchmarks/schedule_options.py ab 4096 default,serial "window[(]128"  # specs whose summary matches
+    python benchmarks/schedule_options.py ab 4096 default,no-pingpong "window[(]128"  # specs whose summary matches
     python benchmarks/schedule_options.py combine AB.txt BA.txt        # both orders of an ab: B/A
 """
 
@@ -17,81 +17,86 @@ import sys
 
 import fa4gen
 from fa4gen import bench
-from fa4gen.arch import Arch
 
 SEQLENS = (4096, 16384, 1024)
 
 
 def variants() -> list[tuple[str, fa4gen.AttentionSpec, fa4gen.Plan]]:
-    out = []
-    from fa4gen.planner import seqlen_splits, sm90_fits, sm90_refit, sm90_variant
+    """(label, spec, plan) of every row: the planner's plans and single flips of them (flips the
+    kernel cannot run, by config_problem, are left out)."""
+    from fa4gen.planner import plan_problem, seqlen_splits
+    from fa4gen.planner.candidates import sm90_fits, sm90_refit
+    from fa4gen.planner.sm90_tables import NO_PAIR_TAIL, SM90_REGISTER_SPLIT
 
-    dense = [fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
-             for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None)) for causal in (False, True)]
+    out = []
+
+    def add(label: str, spec: fa4gen.AttentionSpec, plan: fa4gen.Plan) -> None:
+        if not plan_problem(plan):
+            out.append((label, spec, plan))
+
+    dense = [
+        fa4gen.AttentionSpec(head_dim=d, head_dim_v=dv, causal=causal)
+        for d, dv in ((64, None), (96, None), (128, None), (192, 128), (256, None))
+        for causal in (False, True)
+    ]
     window = fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024)
     alibi = fa4gen.AttentionSpec(head_dim=128, causal=True, score_mod="alibi")  # a score_mod in every loop body
     # GPT-OSS's sliding layers without the sinks: every query tile sees two key tiles
     narrow = fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=8, causal=True, window_left=128)
     for spec in (*dense, window, alibi, narrow):
-        d, causal = spec.head_dim, spec.causal
+        d = spec.head_dim
         base = fa4gen.plan(spec)
-        out.append(("default", spec, base))
+        c = base.config
+        add("default", spec, base)
         for split in seqlen_splits(spec):  # the planner's plans for length ranges, and flips of them
-            out.append((split.label, spec, split.plan))
-            out.append((f"{split.label}+pingpong-flip", spec, split.plan.model_copy(
-                update={"pingpong": not split.plan.pingpong, "turnless_edges": False})))
-            if split.plan.q_stages == 2:
-                out.append((f"{split.label}+one-q", spec, split.plan.model_copy(update={"q_stages": 1})))
-        out.append(("one-shot", spec, base.model_copy(update={"persistent": False})))
-        narrower = sm90_variant(base, "16 fewer keys per tile", tile_n=base.tile_n - 16)
+            add(split.label, spec, split.plan)
+            add(
+                f"{split.label}+pingpong-flip",
+                spec,
+                split.plan.with_config("ping-pong flipped", pingpong=not split.plan.config.pingpong),
+            )
+            if split.plan.config.q_stages == 2:
+                add(f"{split.label}+one-q", spec, split.plan.with_config("one Q buffer", q_stages=1))
+        narrower = base.with_config("16 fewer keys per tile", tile_n=c.tile_n - 16)
         if sm90_fits(narrower):  # short causal sequences: less of the diagonal computed and thrown away
-            out.append(("tile_n-16", spec, narrower))
+            add("tile_n-16", spec, narrower)
         for step in (16, 32):  # giving up Q and O buffers where they no longer fit
-            wider = sm90_refit(sm90_variant(base, f"{step} more keys per tile", tile_n=base.tile_n + step),
-                               f"{step} more keys per tile")
+            why = f"{step} more keys per tile"
+            wider = sm90_refit(base.with_config(why, tile_n=c.tile_n + step), why)
             if sm90_fits(wider):
-                out.append((f"tile_n+{step}", spec, wider))
-        if base.q_stages == 2:
-            out.append(("one-q", spec, base.model_copy(update={"q_stages": 1})))
-        if base.tile_order == "paired":
-            heavy = base.model_copy(update={"tile_order": "heavy_first"})
-            out.append(("heavy-first", spec, heavy))  # over all heads at once
-            groups = heavy.model_copy(update={"l2_group_bytes": Arch.SM90A.caps.l2_bytes})
-            out.append(("heavy-groups", spec, groups))  # heads in L2-sized groups
-            one_shot = groups.model_copy(update={"persistent": False})
-            out.append(("groups-one-shot", spec, one_shot))
-            wider = sm90_refit(sm90_variant(one_shot, "16 more keys per tile", tile_n=base.tile_n + 16),
-                               "16 more keys per tile")
-            if sm90_fits(wider):
-                out.append(("groups-one-shot+n16", spec, wider))
-        if base.o_staging != "own":  # smaller key tiles that leave room for O's own buffer: Q is then
-            for tile_n in (base.tile_n - 16, base.tile_n - 32):  # freed before the epilogue, not after
-                why = f"{tile_n}-key tiles with O in its own buffer"
-                freed = sm90_variant(base, why, tile_n=tile_n, o_staging="own")
+                add(f"tile_n+{step}", spec, wider)
+        if c.q_stages == 2:
+            add("one-q", spec, base.with_config("one Q buffer", q_stages=1))
+        if c.tile_order == "paired":  # over all heads at once
+            add(
+                "heavy-first",
+                spec,
+                base.with_config("causal tiles heaviest first", tile_order="heavy_first", **NO_PAIR_TAIL),
+            )
+        if c.o_staging != "own":  # smaller key tiles that leave room for O's own buffer: Q is then
+            for tile_n in (c.tile_n - 16, c.tile_n - 32):  # freed before the epilogue, not after
+                freed = base.with_config(f"{tile_n}-key tiles with O in its own buffer", tile_n=tile_n, o_staging="own")
                 if sm90_fits(freed):
-                    out.append((f"n{tile_n}-own-o", spec, freed))
-        if not causal:  # the CTAs of a head read different K/V tiles at a time
-            out.append(("rotated", spec, base.model_copy(update={"rotate_key_tiles": True})))
-        if base.tile_order == "head_major":  # a round of CTAs reads 2 heads' K/V, each tile by fewer at once
-            out.append(("interleave-2", spec, base.model_copy(update={"head_interleave": 2})))
+                    add(f"n{tile_n}-own-o", spec, freed)
         if d <= 128:
-            out.append(("no-pingpong", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False})))
-            # a tile's first Q.K^T and last P.V outside the turns (flash-attn-4's Hopper path)
-            out.append(("turnless-edges", spec, base.model_copy(update={"turnless_edges": True})))
+            add("no-pingpong", spec, base.with_config("no ping-pong", pingpong=False))
         else:  # warpgroups that take turns also stagger their tile changes
-            out.append(("pingpong", spec, base.model_copy(update={"pingpong": True})))
-        # the K stage released after the softmax, so the P.V wait follows the whole softmax
-        out.append(("pinned", spec, base.model_copy(update={"pinned_pv_wait": True})))
-        if base.mask_runs:  # one loop over the key tiles, a mask flag per tile (before session 6)
-            out.append(("mask-flags", spec, base.model_copy(update={"mask_runs": False})))
-        out.append(("serial", spec, base.model_copy(update={"pingpong": False, "turnless_edges": False,
-                                                            "intra_warpgroup_overlap": False})))
-        if base.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
-            two = sm90_variant(base, "2 consumer warpgroups", tile_m=128, num_consumer_warpgroups=2,
-                                producer_regs=24, consumer_regs=240, p_in_registers=True, q_stages=2)
+            add("pingpong", spec, base.with_config("ping-pong", pingpong=True))
+        if c.mask_runs:  # one loop over the key tiles, a mask flag per tile (before session 6)
+            add("mask-flags", spec, base.with_config("a mask flag per key tile", mask_runs=False))
+        if c.num_consumer_warpgroups == 3:  # 2 warpgroups: P back in registers, two Q buffers if they fit
+            producer_regs, consumer_regs = SM90_REGISTER_SPLIT[2]
+            two = base.with_config(
+                "2 consumer warpgroups",
+                num_consumer_warpgroups=2,
+                producer_regs=producer_regs,
+                consumer_regs=consumer_regs,
+                p_in_registers=True,
+                q_stages=2,
+            )
             if not sm90_fits(two):
-                two = sm90_variant(two, "one Q buffer", q_stages=1)
-            out.append(("2wg", spec, two))
+                two = two.with_config("one Q buffer", q_stages=1)
+            add("2wg", spec, two)
     return out
 
 
@@ -131,14 +136,21 @@ def ab(seqlens: tuple[int, ...], label_a: str, label_b: str, only: str = "") -> 
                 continue
             case = bench.make_case(specs[name], seqlen)
             a, b = (fa4gen.compile(specs[name], kernel_plan=by_label[label]) for label in (label_a, label_b))
-            impls = {label_a: a, label_b: b, "fa4": bench.peer_function("fa4", case), f"{label_b}'": b,
-                     f"{label_a}'": a}
+            impls = {
+                label_a: a,
+                label_b: b,
+                "fa4": bench.peer_function("fa4", case),
+                f"{label_b}'": b,
+                f"{label_a}'": a,
+            }
             row = bench.bench_case(case, impls)
             gain = (row[label_b] + row[f"{label_b}'"]) / (row[label_a] + row[f"{label_a}'"])
             q, k, v = bench.make_inputs(case)[0]  # both plans compute the same attention
             differ = (a(q, k, v).float() - b(q, k, v).float()).abs().max().item()
-            print(f"{bench.format_row(row, list(impls))}  {label_b}/{label_a}={gain:.3f} max|A-B|={differ:.1e}",
-                  flush=True)
+            print(
+                f"{bench.format_row(row, list(impls))}  {label_b}/{label_a}={gain:.3f} max|A-B|={differ:.1e}",
+                flush=True,
+            )
 
 
 RATIO = re.compile(r"^(?P<spec>\S.*?)\s+S=(?P<seqlen>\d+)\s.*\s(?P<b>[\w+-]+)/(?P<a>[\w+-]+)=(?P<ratio>[\d.]+)")
@@ -161,8 +173,10 @@ def combine(first: str, second: str) -> None:
         print(f"{spec:36} S={seqlen:>6}  {names[0]}/{names[1]}={ratio:.3f}")
     if both:
         mean = math.exp(sum(map(math.log, both.values())) / len(both))
-        print(f"geometric mean over {len(both)} cells: {mean:.3f} (min {min(both.values()):.3f}, "
-              f"max {max(both.values()):.3f})")
+        print(
+            f"geometric mean over {len(both)} cells: {mean:.3f} (min {min(both.values()):.3f}, "
+            f"max {max(both.values()):.3f})"
+        )
 
 
 if __name__ == "__main__":
@@ -172,5 +186,8 @@ if __name__ == "__main__":
     elif argv[0] == "ab":  # schedule_options.py ab SEQLENS LABEL_A,LABEL_B [SPEC_SUBSTRING]
         ab(tuple(int(s) for s in argv[1].split(",")), *argv[2].split(","), argv[3])
     else:
-        main(argv[0] or "run", tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
-             tuple(argv[2].split(",")) if argv[2] else ())
+        main(
+            argv[0] or "run",
+            tuple(int(s) for s in argv[1].split(",")) if argv[1] else SEQLENS,
+            tuple(argv[2].split(",")) if argv[2] else (),
+        )

@@ -65,19 +65,46 @@ def variants() -> list[Variant]:
     expr = _spec("expression-score")
     return [
         Variant("alibi causal", _spec("alibi-mpt")),
-        Variant("T5 relative bias (d64)", t5, make_args=lambda _: {
-            "rel_bias": torch.randn(heads(t5), 2 * t5.score_mod.max_distance + 1, device="cuda")}),
-        Variant("expression score_mod + softcap", expr, make_args=lambda _: {"aux": {
-            "temperature": torch.rand(heads(expr), device="cuda") + 0.5, "strength": 0.25}}),
+        Variant(
+            "T5 relative bias (d64)",
+            t5,
+            make_args=lambda _: {"rel_bias": torch.randn(heads(t5), 2 * t5.score_mod.max_distance + 1, device="cuda")},
+        ),
+        Variant(
+            "expression score_mod + softcap",
+            expr,
+            make_args=lambda _: {
+                "aux": {"temperature": torch.rand(heads(expr), device="cuda") + 0.5, "strength": 0.25}
+            },
+        ),
         Variant("chunked 1024 gqa8", _spec("llama4-chunked", mask={"kind": "chunked", "size": 1024})),
-        Variant("prefix-LM", _spec("prefix-lm", return_lse=False), make_args=lambda _: {
-            "prefix_lengths": torch.randint(512, 2048, (BATCH,), dtype=torch.int32, device="cuda")}),
-        Variant(f"documents {BATCH * SEQLEN // DOC_LEN}x{DOC_LEN} causal gqa4", _spec("packed-documents"),
-                batch=1, seqlen=BATCH * SEQLEN, fa4=True, make_args=documents),
-        Variant("sinks + window 128 gqa8 (d64)", oss, flex=False, fa4=True, make_args=lambda _: {
-            "sinks": torch.randn(heads(oss), device="cuda")}),
-        Variant("StreamingLLM expression mask", _spec("streaming-llm"),
-                make_args=lambda _: {"aux": {"sink_tokens": 4, "window": 1024}}),
+        Variant(
+            "prefix-LM",
+            _spec("prefix-lm", return_lse=False),
+            make_args=lambda _: {
+                "prefix_lengths": torch.randint(512, 2048, (BATCH,), dtype=torch.int32, device="cuda")
+            },
+        ),
+        Variant(
+            f"documents {BATCH * SEQLEN // DOC_LEN}x{DOC_LEN} causal gqa4",
+            _spec("packed-documents"),
+            batch=1,
+            seqlen=BATCH * SEQLEN,
+            fa4=True,
+            make_args=documents,
+        ),
+        Variant(
+            "sinks + window 128 gqa8 (d64)",
+            oss,
+            flex=False,
+            fa4=True,
+            make_args=lambda _: {"sinks": torch.randn(heads(oss), device="cuda")},
+        ),
+        Variant(
+            "StreamingLLM expression mask",
+            _spec("streaming-llm"),
+            make_args=lambda _: {"aux": {"sink_tokens": 4, "window": 1024}},
+        ),
         Variant("causal window 1024", fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024), fa4=True),
         Variant("window 4096 + softcap 50 (Gemma 2, d256)", _spec("gemma2-local"), fa4=True),
     ]
@@ -95,9 +122,13 @@ def make_inputs(variant: Variant, kv_heads: int, q_heads: int) -> list[tuple]:
     lead = (variant.batch * variant.seqlen,) if _packed(variant) else (variant.batch, variant.seqlen)
     sets = []
     for _ in range(3):
-        sets.append((torch.randn(*lead, q_heads, spec.head_dim, device="cuda", dtype=dtype),
-                     torch.randn(*lead, kv_heads, spec.head_dim, device="cuda", dtype=dtype),
-                     torch.randn(*lead, kv_heads, spec.dv, device="cuda", dtype=dtype)))
+        sets.append(
+            (
+                torch.randn(*lead, q_heads, spec.head_dim, device="cuda", dtype=dtype),
+                torch.randn(*lead, kv_heads, spec.head_dim, device="cuda", dtype=dtype),
+                torch.randn(*lead, kv_heads, spec.dv, device="cuda", dtype=dtype),
+            )
+        )
     return sets
 
 
@@ -116,11 +147,14 @@ def _flex_mods(spec: fa4gen.AttentionSpec, args: dict, q_heads: int):
         score_mod = lambda s, b, h, q, k: s + table[h, (k - q).clamp(-d, d) + d]  # noqa: E731
     elif mod is not None:  # the expression-score spec, written by hand
         temp, strength, cap = aux["temperature"], aux["strength"], spec.softcap
-        score_mod = lambda s, b, h, q, k: cap * torch.tanh(  # noqa: E731
-            (s * temp[h] - strength * torch.log(1.0 + (q - k).abs().float())) / cap)
+
+        def score_mod(s, b, h, q, k):
+            return cap * torch.tanh((s * temp[h] - strength * torch.log(1.0 + (q - k).abs().float())) / cap)
+
     elif spec.softcap is not None:
         cap = spec.softcap
         score_mod = lambda s, b, h, q, k: cap * torch.tanh(s / cap)  # noqa: E731
+
     def mask_mod(b, h, q, k):
         keep = bench.window_keep(spec, q, k)
         if spec.mask_kind == "chunked":
@@ -148,16 +182,29 @@ def flex_function(variant: Variant, args: dict, q_heads: int) -> Callable:
         args = {**args, "doc_ids": torch.searchsorted(cu, torch.arange(int(cu[-1]), device="cuda"), right=True) - 1}
     score_mod, mask_mod = _flex_mods(spec, args, q_heads)
     batch = variant.batch if spec.mask_kind == "prefix_lm" else None
-    block_mask = create_block_mask(mask_mod, batch, None, variant.seqlen * (variant.batch if _packed(variant) else 1),
-                                   variant.seqlen * (variant.batch if _packed(variant) else 1), device="cuda")
+    block_mask = create_block_mask(
+        mask_mod,
+        batch,
+        None,
+        variant.seqlen * (variant.batch if _packed(variant) else 1),
+        variant.seqlen * (variant.batch if _packed(variant) else 1),
+        device="cuda",
+    )
     compiled = torch.compile(flex_attention, dynamic=False)
     gqa = spec.qhead_per_kvhead > 1
 
     def run(q, k, v):
         if q.dim() == 3:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                        block_mask=block_mask, scale=spec.scale, enable_gqa=gqa)
+        return compiled(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=spec.scale,
+            enable_gqa=gqa,
+        )
 
     return run
 
@@ -172,8 +219,9 @@ def fa4_function(variant: Variant, args: dict) -> Callable | None:
     common = dict(softmax_scale=spec.scale, causal=spec.causal, softcap=spec.softcap or 0.0)
     if spec.is_varlen:
         cu = args["cu_seqlens_q"]
-        return lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=DOC_LEN,
-                                                      max_seqlen_k=DOC_LEN, **common)
+        return lambda q, k, v: flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=DOC_LEN, max_seqlen_k=DOC_LEN, **common
+        )
     sink = args.get("sinks")
     return lambda q, k, v: flash_attn_func(q, k, v, window_size=window, learnable_sink=sink, **common)
 
@@ -189,11 +237,19 @@ def warm(_args) -> None:
 
 def variants_for_warm() -> list[fa4gen.AttentionSpec]:
     """Specs only (no GPU needed to list them); the dense causal comparison kernel too."""
-    specs = [_spec("alibi-mpt"), _spec("t5-relative-bias"), _spec("expression-score"),
-             _spec("llama4-chunked", mask={"kind": "chunked", "size": 1024}), _spec("prefix-lm", return_lse=False),
-             _spec("packed-documents"), _spec("gpt-oss-sinks"), _spec("streaming-llm"),
-             fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024), _spec("gemma2-local"),
-             fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)]
+    specs = [
+        _spec("alibi-mpt"),
+        _spec("t5-relative-bias"),
+        _spec("expression-score"),
+        _spec("llama4-chunked", mask={"kind": "chunked", "size": 1024}),
+        _spec("prefix-lm", return_lse=False),
+        _spec("packed-documents"),
+        _spec("gpt-oss-sinks"),
+        _spec("streaming-llm"),
+        fa4gen.AttentionSpec(head_dim=128, causal=True, window_left=1024),
+        _spec("gemma2-local"),
+        fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True),
+    ]
     return specs
 
 
@@ -204,13 +260,21 @@ def measure(variant: Variant) -> dict[str, Any]:
     inputs = make_inputs(variant, kv_heads, q_heads)
     args = variant.make_args(inputs)
     total = variant.batch * variant.seqlen
-    flops = attention_flops(spec, 1 if _packed(variant) else variant.batch, total if _packed(variant) else variant.seqlen,
-                            total if _packed(variant) else variant.seqlen, q_heads, args)
+    flops = attention_flops(
+        spec,
+        1 if _packed(variant) else variant.batch,
+        total if _packed(variant) else variant.seqlen,
+        total if _packed(variant) else variant.seqlen,
+        q_heads,
+        args,
+    )
     kernel = fa4gen.compile(spec, kernel_plan=variant.kernel_plan)
     impls: dict[str, Callable | None] = {"fa4gen": lambda q, k, v: kernel(q, k, v, **args)}
     row: dict[str, Any] = {"case": variant.name, "seqlen": variant.seqlen, "batch": variant.batch, "q_heads": q_heads}
-    for label, make in (("fa4", lambda: fa4_function(variant, args) if variant.fa4 else None),
-                        ("flex", lambda: flex_function(variant, args, q_heads) if variant.flex else None)):
+    for label, make in (
+        ("fa4", lambda: fa4_function(variant, args) if variant.fa4 else None),
+        ("flex", lambda: flex_function(variant, args, q_heads) if variant.flex else None),
+    ):
         try:
             impls[label] = make()
         except Exception as exc:
@@ -224,15 +288,20 @@ def document_order_candidate() -> fa4gen.Plan:
     """The packed-documents plan with its query tiles in ranked pairs (a `fa4gen tune`
     candidate; tune's dense inputs cannot time a varlen spec, so it is timed here)."""
     spec = _spec("packed-documents")
-    return next(p for p in candidates(spec, "sm_90a") if p.tile_order == "paired")
+    return next(p for p in candidates(spec, "sm_90a") if p.config.tile_order == "paired")
 
 
 def dense_causal_at_document_length() -> dict[str, Any]:
     """The dense causal kernel at the documents' length (same heads, same token count)."""
     spec = _spec("packed-documents", mask=None)
     q_heads = bench.HIDDEN // spec.head_dim
-    case = bench.BenchCase("dense causal gqa4 at the document length", spec, BATCH * SEQLEN // DOC_LEN, DOC_LEN,
-                           q_heads // spec.qhead_per_kvhead)
+    case = bench.BenchCase(
+        "dense causal gqa4 at the document length",
+        spec,
+        BATCH * SEQLEN // DOC_LEN,
+        DOC_LEN,
+        q_heads // spec.qhead_per_kvhead,
+    )
     return bench.bench_case(case, {"fa4gen": fa4gen.compile(spec)})
 
 
@@ -245,11 +314,22 @@ def run(args) -> None:
     dense = dense_causal_at_document_length()
     print(bench.format_row(dense, ["fa4gen"]), flush=True)
     documents = next(v for v in variants() if v.spec.is_varlen)
-    paired = measure(replace(documents, name=f"{documents.name} [ranked pairs]", fa4=False, flex=False,
-                             kernel_plan=document_order_candidate()))
+    paired = measure(
+        replace(
+            documents,
+            name=f"{documents.name} [ranked pairs]",
+            fa4=False,
+            flex=False,
+            kernel_plan=document_order_candidate(),
+        )
+    )
     print(bench.format_row(paired, ["fa4gen"]), paired.get("errors", ""), flush=True)
-    result = {"environment": _environment(), "rows": rows, "dense_causal_at_document_length": dense,
-              "document_order_candidate": paired}
+    result = {
+        "environment": _environment(),
+        "rows": rows,
+        "dense_causal_at_document_length": dense,
+        "document_order_candidate": paired,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(bench.markdown_table(rows, ["fa4", "flex"]))
@@ -259,23 +339,31 @@ def report(args) -> None:
     """Markdown: TFLOP/s, fa4gen's ratio to each peer, and documents against dense causal."""
     result = json.loads(Path(args.file).read_text())
     env = result["environment"]
-    print(f"Measured {env['date']} on {env['device']}: torch {env['torch']}, flash-attn-4 {env['flash-attn-4']}, "
-          f"fa4gen {env['fa4gen']}.\n")
+    print(
+        f"Measured {env['date']} on {env['device']}: torch {env['torch']}, flash-attn-4 {env['flash-attn-4']}, "
+        f"fa4gen {env['fa4gen']}.\n"
+    )
     print("| variant | S | B | fa4gen | flash-attn-4 | FlexAttention | vs flash-attn-4 | vs FlexAttention |")
     print("|---|---|---|---|---|---|---|---|")
     for row in result["rows"]:
         cells = [f"{row[p]:.0f}" if row.get(p) else "-" for p in ("fa4gen", "fa4", "flex")]
-        ratios = [f"{row['fa4gen'] / row[p]:.2f}x" if row.get(p) and row.get("fa4gen") else "-" for p in ("fa4", "flex")]
+        ratios = [
+            f"{row['fa4gen'] / row[p]:.2f}x" if row.get(p) and row.get("fa4gen") else "-" for p in ("fa4", "flex")
+        ]
         print(f"| {row['case']} | {row['seqlen']} | {row['batch']} | " + " | ".join(cells + ratios) + " |")
     dense = result["dense_causal_at_document_length"]
     docs = next(r for r in result["rows"] if r["case"].startswith("documents"))
-    print(f"\nPacked documents {docs['fa4gen']:.0f} TFLOP/s against the dense causal kernel at the document "
-          f"length ({dense['seqlen']} tokens, batch {dense['batch']}): {dense['fa4gen']:.0f} TFLOP/s "
-          f"({docs['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP).")
+    print(
+        f"\nPacked documents {docs['fa4gen']:.0f} TFLOP/s against the dense causal kernel at the document "
+        f"length ({dense['seqlen']} tokens, batch {dense['batch']}): {dense['fa4gen']:.0f} TFLOP/s "
+        f"({docs['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP)."
+    )
     paired = result.get("document_order_candidate")
     if paired and paired.get("fa4gen"):
-        print(f"Same documents with the query tiles in ranked pairs (tune candidate): {paired['fa4gen']:.0f} TFLOP/s "
-              f"({paired['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP).")
+        print(
+            f"Same documents with the query tiles in ranked pairs (tune candidate): {paired['fa4gen']:.0f} TFLOP/s "
+            f"({paired['fa4gen'] / dense['fa4gen']:.2f}x per useful FLOP)."
+        )
 
 
 def _environment() -> dict:

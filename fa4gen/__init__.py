@@ -9,17 +9,16 @@ Stages, each a pure function over frozen models and each visible from the CLI:
 (compile into the cache), ``compile(spec)`` (build + load a callable).
 """
 
-__version__ = "0.1.0"
-
+from fa4gen._version import __version__  # noqa: E402,F401
+from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
 from fa4gen.arch import Arch, UnsupportedArchError, detect_arch  # noqa: E402
-from fa4gen.cache import CacheError, CacheMiss, KernelCache, UntrustedCacheError  # noqa: E402
+from fa4gen.cache import CacheError, CacheMiss, KernelCache, ReadOnlyCacheError, UntrustedCacheError  # noqa: E402
 from fa4gen.emitter import EmittedKernel, emit  # noqa: E402
 from fa4gen.planner import Plan, plan  # noqa: E402
 from fa4gen.runtime import AttentionKernel  # noqa: E402
+from fa4gen.runtime import prepare_loader as _prepare_loader  # noqa: E402
 from fa4gen.spec import AttentionSpec, spec_json_schema  # noqa: E402
 from fa4gen.specfile import dump_spec, load_spec  # noqa: E402
-from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
-from fa4gen.runtime import prepare_loader as _prepare_loader  # noqa: E402
 
 _prepare_loader()
 
@@ -35,6 +34,7 @@ __all__ = [
     "EmittedKernel",
     "KernelCache",
     "Plan",
+    "ReadOnlyCacheError",
     "UnsupportedArchError",
     "UntrustedCacheError",
     "build",

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fa4gen import __version__
+from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
@@ -45,7 +47,7 @@ def cache_key_parts(spec: AttentionSpec, kernel_plan: Plan, arch: Arch) -> dict[
     """Everything an artifact depends on, and nothing else (no paths, hosts, users or times)."""
     return {
         "spec": spec.canonical(),
-        "plan": kernel_plan.model_dump(),
+        "plan": json.loads(kernel_plan.schedule_json()),  # what the kernel is built from: reasons left out
         "arch": arch.value,
         "fa4gen": {"version": __version__, "sources": source_fingerprint()},
         "toolchain": toolchain(),
@@ -64,6 +66,9 @@ def _miss_message(spec: AttentionSpec, arch: Arch, cache: KernelCache) -> str:
     )
 
 
+Progress = Callable[[str], None]
+
+
 def build(
     spec: AttentionSpec,
     arch: Arch | str = Arch.SM90A,
@@ -72,31 +77,51 @@ def build(
     no_compile: bool | None = None,
     cache: KernelCache | None = None,
     kernel_plan: Plan | None = None,
+    progress: Progress | None = None,
 ) -> BuildResult:
     """Plan, emit and compile ``spec`` for ``arch`` into the cache, or find it there: the
     planner's plan and its plans for ranges of query lengths (``BuildResult.splits``), since
     ``fa4gen.compile`` picks among them per call.
 
     ``kernel_plan`` replaces the planner's default and builds only that plan (tuning compares
-    candidate plans)."""
+    candidate plans). ``progress``, if given, is called in this thread once per kernel as it is
+    finished, with one line such as "compiled bfloat16 d128 causal for sm_90a (short plan) in
+    12.3 s" or "cached bfloat16 d128 causal for sm_90a (default plan)"; it costs nothing else.
+
+    Every kernel of the call stays pinned in the cache until it returns, so eviction
+    (``FA4GEN_CACHE_SIZE_LIMIT``) never removes one kernel of a spec to make room for another."""
     target = require_supported(arch)
     cache = cache or KernelCache(cache_dir)
-    if kernel_plan is not None:
-        return _build_plan(spec, target, kernel_plan, cache, no_compile)
-    return _with_splits(_build_plan(spec, target, plan(spec, target), cache, no_compile), cache, no_compile)
+    with cache.pinned():
+        if kernel_plan is not None:
+            return _build_plan(spec, target, kernel_plan, cache, no_compile, progress, "given")
+        main = _build_plan(spec, target, plan(spec, target), cache, no_compile, progress, "default")
+        return _with_splits(main, cache, no_compile, progress)
 
 
-def _with_splits(result: BuildResult, cache: KernelCache, no_compile: bool | None) -> BuildResult:
+def _with_splits(
+    result: BuildResult, cache: KernelCache, no_compile: bool | None, progress: Progress | None = None
+) -> BuildResult:
     """``result`` with the planner's plans for ranges of query lengths built beside it."""
     target = Arch.parse(result.plan.arch)
-    splits = tuple((split, _build_plan(result.spec, target, split.plan, cache, no_compile))
-                   for split in seqlen_splits(result.spec, target))
+    splits = tuple(
+        (split, _build_plan(result.spec, target, split.plan, cache, no_compile, progress, split.label))
+        for split in seqlen_splits(result.spec, target)
+    )
     return replace(result, splits=splits)
 
 
-def _build_plan(spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: KernelCache,
-                no_compile: bool | None) -> BuildResult:
-    """One plan: emit, compile and store under its key (or find it there)."""
+def _build_plan(
+    spec: AttentionSpec,
+    target: Arch,
+    kernel_plan: Plan,
+    cache: KernelCache,
+    no_compile: bool | None,
+    progress: Progress | None = None,
+    label: str = "given",
+) -> BuildResult:
+    """One plan: emit, compile and store under its key (or find it there); ``label`` names the
+    plan in the ``progress`` line."""
     if kernel_plan.arch != target.value:
         raise ValueError(f"kernel_plan is for {kernel_plan.arch}, not {target.value}")
     if problem := plan_problem(kernel_plan):
@@ -119,18 +144,22 @@ def _build_plan(spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: Ker
         (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, sort_keys=True))
 
     refuse = _no_compile_default() if no_compile is None else no_compile
+    started = time.perf_counter()
     entry, built_now = cache.get_or_build(
         key, meta, produce, no_compile=refuse, miss_message=_miss_message(spec, target, cache)
     )
+    if progress is not None:
+        what = f"{spec.summary()} for {target.value} ({label} plan)"
+        progress(f"compiled {what} in {time.perf_counter() - started:.1f} s" if built_now else f"cached {what}")
     return BuildResult(spec=spec, plan=kernel_plan, key=key, entry=entry, built_now=built_now)
 
 
 def _tuned_for_this_device(spec: AttentionSpec, target: Arch, cache: KernelCache) -> Plan | None:
     """A plan `fa4gen tune` recorded for this spec on a GPU of this name, if any."""
-    from fa4gen import tuning
+    from fa4gen.tuned import current_device_name, tuned_plan  # (torch is imported only here)
 
-    device = tuning.current_device_name()
-    return None if device is None else tuning.tuned_plan(cache.root, spec, target, device)
+    device = current_device_name()
+    return None if device is None else tuned_plan(cache.root, spec, target, device)
 
 
 _loaded: dict[tuple[str, tuple[str, ...], str], AttentionKernel] = {}
@@ -169,12 +198,12 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = _process_cache(cache_dir)
     tuned = None if kernel_plan is not None else _tuned_for_this_device(spec, target, cache)
-    result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan or tuned)
-    if tuned is not None:  # build() adds the length ranges beside the planner's plan only
-        result = _with_splits(result, cache, no_compile)
-    splits = tuple(SplitKernel(split, _load(built, cache))
-                   for split, built in result.splits)
-    return _load(result, cache, splits)
+    with cache.pinned():  # from lookup until every kernel is loaded: no process evicts one
+        result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan or tuned)
+        if tuned is not None:  # build() adds the length ranges beside the planner's plan only
+            result = _with_splits(result, cache, no_compile)
+        splits = tuple(SplitKernel(split, _load(built, cache)) for split, built in result.splits)
+        return _load(result, cache, splits)
 
 
 def _load(result: BuildResult, cache: KernelCache, splits: tuple[SplitKernel, ...] = ()) -> AttentionKernel:
@@ -184,7 +213,13 @@ def _load(result: BuildResult, cache: KernelCache, splits: tuple[SplitKernel, ..
         kernel = _loaded.get(memo_key)
         if kernel is None:
             function = load_function(result.entry.path, result.entry.meta.get("toolchain", toolchain())["cuda"])
-            kernel = AttentionKernel(spec=result.spec, plan=result.plan, function=function, key=result.key,
-                                     path=result.entry.path, splits=splits)
+            kernel = AttentionKernel(
+                spec=result.spec,
+                plan=result.plan,
+                function=function,
+                key=result.key,
+                path=result.entry.path,
+                splits=splits,
+            )
             _loaded[memo_key] = kernel
     return kernel

@@ -10,6 +10,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# Hopper warpgroup MMA (wgmma) facts the planner and the sm_90a kernels share
+WARPGROUP_THREADS = 128  # 4 warps issue one wgmma together
+WGMMA_M = 64  # rows of one warpgroup MMA: a consumer warpgroup owns this many query rows
+MMA_K_GRANULE = 16  # K extent of one 16-bit wgmma; head dims are zero-padded (by TMA) to it
+
 
 class Arch(str, enum.Enum):
     """Targets fa4gen knows. Only ``supported`` ones can be planned and compiled."""
@@ -99,8 +104,11 @@ def arch_for_capability(major: int, minor: int) -> Arch:
     for arch, caps in _CAPS.items():
         if caps.compute_capability == (major, minor):
             return require_supported(arch)
-    ok = ", ".join(f"{a.value} (compute capability {a.caps.compute_capability[0]}.{a.caps.compute_capability[1]})"
-                   for a in Arch if a.supported)
+    ok = ", ".join(
+        f"{a.value} (compute capability {a.caps.compute_capability[0]}.{a.caps.compute_capability[1]})"
+        for a in Arch
+        if a.supported
+    )
     raise UnsupportedArchError(
         f"this GPU has compute capability {major}.{minor}, which fa4gen has no kernels for; supported: {ok}"
     )

@@ -127,11 +127,13 @@ def make_inputs(case: BenchCase) -> list[tuple]:
     per_set = 2 * case.batch * case.seqlen * (case.q_heads * spec.head_dim + case.kv_heads * (spec.head_dim + spec.dv))
     sets = []
     for _ in range(_rotation(per_set)):
-        sets.append((
-            torch.randn(case.batch, case.seqlen, case.q_heads, spec.head_dim, device="cuda", dtype=dtype),
-            torch.randn(case.batch, case.seqlen, case.kv_heads, spec.head_dim, device="cuda", dtype=dtype),
-            torch.randn(case.batch, case.seqlen, case.kv_heads, spec.dv, device="cuda", dtype=dtype),
-        ))
+        sets.append(
+            (
+                torch.randn(case.batch, case.seqlen, case.q_heads, spec.head_dim, device="cuda", dtype=dtype),
+                torch.randn(case.batch, case.seqlen, case.kv_heads, spec.head_dim, device="cuda", dtype=dtype),
+                torch.randn(case.batch, case.seqlen, case.kv_heads, spec.dv, device="cuda", dtype=dtype),
+            )
+        )
     return sets
 
 
@@ -144,8 +146,9 @@ def _fa4(spec: AttentionSpec) -> Callable | None:
     window = (spec.left_bound, None if spec.causal else spec.right_bound)
 
     def run(q, k, v):
-        return flash_attn_func(q, k, v, softmax_scale=spec.scale, causal=spec.causal,
-                               window_size=window, softcap=spec.softcap or 0.0)
+        return flash_attn_func(
+            q, k, v, softmax_scale=spec.scale, causal=spec.causal, window_size=window, softcap=spec.softcap or 0.0
+        )
 
     return run
 
@@ -162,8 +165,12 @@ def _sdpa(spec: AttentionSpec, backend_name: str) -> Callable | None:
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=spec.causal, scale=spec.scale, enable_gqa=gqa,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=spec.causal,
+                scale=spec.scale,
+                enable_gqa=gqa,
             )
 
     return run
@@ -175,9 +182,7 @@ def raise_dynamo_limits() -> None:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 1024)
-    torch._dynamo.config.accumulated_cache_size_limit = max(
-        torch._dynamo.config.accumulated_cache_size_limit, 8192
-    )
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 8192)
 
 
 def window_keep(spec: AttentionSpec, q_idx, kv_idx):
@@ -213,8 +218,15 @@ def _flex(spec: AttentionSpec, case: BenchCase) -> Callable | None:
     gqa = spec.qhead_per_kvhead > 1
 
     def run(q, k, v):
-        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                        block_mask=block_mask, scale=spec.scale, enable_gqa=gqa)
+        return compiled(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=spec.scale,
+            enable_gqa=gqa,
+        )
 
     return run
 
@@ -239,11 +251,15 @@ BALANCED_ITERS = 6  # timed launches per implementation and round (after one war
 def rotations(names: list[str], rounds: int) -> list[list[str]]:
     """The order of each round: round r starts at the r-th name, so over len(names) rounds every
     name runs once in every place (first after another cell, right after each other one)."""
-    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)] if names else []
+    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)] if names else []
 
 
-def time_balanced(functions: dict[str, Callable[..., Any]], input_sets: list[tuple], rounds: int = BALANCED_ROUNDS,
-                  iters: int = BALANCED_ITERS) -> dict[str, float | Exception]:
+def time_balanced(
+    functions: dict[str, Callable[..., Any]],
+    input_sets: list[tuple],
+    rounds: int = BALANCED_ROUNDS,
+    iters: int = BALANCED_ITERS,
+) -> dict[str, float | Exception]:
     """Median milliseconds of each function over ``rounds`` rounds whose order rotates: on this
     shared, power-capped GPU whatever runs first after a pause, or after a lighter kernel, runs
     at a higher clock, so a fixed order favours the first. A function that raises gets its
@@ -269,8 +285,9 @@ def bench_case(case: BenchCase, implementations: dict[str, Callable | None]) -> 
     return add_tflops(row, implementations, inputs, flops)
 
 
-def add_tflops(row: dict[str, Any], implementations: dict[str, Callable | None], inputs: list[tuple],
-               flops: float) -> dict[str, Any]:
+def add_tflops(
+    row: dict[str, Any], implementations: dict[str, Callable | None], inputs: list[tuple], flops: float
+) -> dict[str, Any]:
     """``row`` with each implementation's TFLOP/s on ``inputs`` (time_balanced; None where it is
     unsupported or fails, the failure under row["errors"])."""
     timed = time_balanced({label: fn for label, fn in implementations.items() if fn is not None}, inputs)
@@ -282,8 +299,12 @@ def add_tflops(row: dict[str, Any], implementations: dict[str, Callable | None],
     return row
 
 
-def run_grid(cases: list[BenchCase], kernels: dict[str, Callable], peers: Iterable[str] = PEERS,
-             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run_grid(
+    cases: list[BenchCase],
+    kernels: dict[str, Callable],
+    peers: Iterable[str] = PEERS,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
     """``kernels`` maps a spec's canonical JSON to fa4gen's callable for it."""
     rows = []
     for case in cases:
@@ -321,8 +342,9 @@ def markdown_table(rows: list[dict[str, Any]], peers: Iterable[str] = PEERS) -> 
         name, value = best_peer(row, peers)
         ratio = f"{row['fa4gen'] / value:.2f}x" if value and row.get("fa4gen") else "-"
         values = [f"{row[p]:.0f}" if row.get(p) else "-" for p in ["fa4gen", *peers]]
-        lines.append("| " + " | ".join([row["case"], str(row["seqlen"]), str(row["batch"]), *values,
-                                       name or "-", ratio]) + " |")
+        lines.append(
+            "| " + " | ".join([row["case"], str(row["seqlen"]), str(row["batch"]), *values, name or "-", ratio]) + " |"
+        )
     return "\n".join(lines)
 
 

@@ -56,15 +56,23 @@ def _structural(spec: AttentionSpec, q_idx, kv_idx, seqlen_q: int, seqlen_k: int
     return keep
 
 
-def build_block_mask(spec: AttentionSpec, plan: Plan, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-                     args: dict | None = None, device: Any = "cuda") -> BlockMask:
+def build_block_mask(
+    spec: AttentionSpec,
+    plan: Plan,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    args: dict | None = None,
+    device: Any = "cuda",
+) -> BlockMask:
     """Evaluate the spec's expression mask on ``device`` and reduce it to the plan's tiles."""
     import torch
 
     lowered = lower(spec)
     if lowered.mask is None:
         raise ValueError(f"spec ({spec.summary()}) has no expression mask: its kernel needs no block mask")
-    tile_m, tile_n = plan.tile_m, plan.tile_n
+    tile_m, tile_n = plan.config.tile_m, plan.config.tile_n
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     mask_b = batch if "b" in lowered.mask.uses else 1
     mask_h = heads if "h" in lowered.mask.uses else 1
@@ -99,8 +107,9 @@ def build_block_mask(spec: AttentionSpec, plan: Plan, batch: int, heads: int, se
     count = nonempty.sum(dim=-1, dtype=torch.int32)
     index = torch.where(torch.gather(nonempty, -1, order), order, 0).to(torch.int32)
     full_sorted = torch.gather(full, -1, order).to(torch.int32)
-    return BlockMask(count.contiguous(), index.contiguous(), full_sorted.contiguous(), tile_m, tile_n, seqlen_q,
-                     seqlen_k)
+    return BlockMask(
+        count.contiguous(), index.contiguous(), full_sorted.contiguous(), tile_m, tile_n, seqlen_q, seqlen_k
+    )
 
 
 def check_block_mask(bm: Any, plan: Plan, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: Any) -> None:
@@ -109,16 +118,20 @@ def check_block_mask(bm: Any, plan: Plan, batch: int, heads: int, seqlen_q: int,
 
     if not isinstance(bm, BlockMask):
         raise ValueError(f"block_mask must come from AttentionKernel.block_mask(...), got {type(bm).__name__}")
-    if (bm.tile_m, bm.tile_n) != (plan.tile_m, plan.tile_n):
-        raise ValueError(f"block_mask was built for {bm.tile_m}x{bm.tile_n} tiles; this kernel uses "
-                         f"{plan.tile_m}x{plan.tile_n}")
+    if (bm.tile_m, bm.tile_n) != (plan.config.tile_m, plan.config.tile_n):
+        raise ValueError(
+            f"block_mask was built for {bm.tile_m}x{bm.tile_n} tiles; this kernel uses "
+            f"{plan.config.tile_m}x{plan.config.tile_n}"
+        )
     if (bm.seqlen_q, bm.seqlen_k) != (seqlen_q, seqlen_k):
-        raise ValueError(f"block_mask was built for Sq={bm.seqlen_q}, Sk={bm.seqlen_k}; the call has "
-                         f"Sq={seqlen_q}, Sk={seqlen_k}")
+        raise ValueError(
+            f"block_mask was built for Sq={bm.seqlen_q}, Sk={bm.seqlen_k}; the call has Sq={seqlen_q}, Sk={seqlen_k}"
+        )
     mask_b, mask_h = bm.count.shape[:2]
     if mask_b not in (1, batch) or mask_h not in (1, heads):
-        raise ValueError(f"block_mask covers {mask_b} batch entries and {mask_h} heads; the call has "
-                         f"{batch} and {heads}")
+        raise ValueError(
+            f"block_mask covers {mask_b} batch entries and {mask_h} heads; the call has {batch} and {heads}"
+        )
     for name in ("count", "index", "full"):
         t = getattr(bm, name)
         if t.dtype != torch.int32 or t.device != device or not t.is_contiguous():

@@ -4,8 +4,15 @@ Layout under the root: ``entries/<key>/`` holds one kernel's files plus ``meta.j
 last: the commit marker); ``index/`` is a diskcache.Cache of key -> meta + last use (advisory, may
 be deleted at will); ``locks/<key>.lock`` serialises builds of a key with fcntl.flock; ``tmp/`` is
 staging on the same filesystem. An entry exists iff its meta.json parses, names the key, and every
-file it lists hashes to the recorded sha256. Entries appear only by atomic rename of a complete
-directory, so readers see nothing or a whole entry; anything else counts as missing.
+file it lists hashes to the recorded sha256 (a fresh build included). Entries appear only by atomic
+rename of a complete directory, so readers see nothing or a whole entry; anything else counts as
+missing. Readers hold a shared flock on an entry's meta.json from lookup until it is loaded
+(``KernelCache.pinned``); eviction and ``clear`` take it exclusively without waiting and skip
+entries in use, so a found entry is never deleted before it loads.
+
+Trust: kernels are shared objects, so every directory and file the loader reads must be writable
+only by this process's user or root (a root-owned read-only cache is fine for any user).
+Archives (export / import_) live in fa4gen.cache_archive.
 
 This module is on the hot path of loading a kernel: it must never import torch or cutlass.
 """
@@ -24,49 +31,55 @@ import secrets
 import shutil
 import sqlite3
 import stat
+import threading
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
+
+from fa4gen.cache_base import (  # noqa: F401 (re-exported: the cache's public names)
+    _DISK_FULL_ERRNOS,
+    _KEY_RE,
+    FORMAT_VERSION,
+    MAX_META_BYTES,
+    META_NAME,
+    CacheCorruptionWarning,
+    CacheEntry,
+    CacheError,
+    CacheFullError,
+    CacheMiss,
+    CacheSizeWarning,
+    CacheWarning,
+    ReadOnlyCacheError,
+    UntrustedCacheError,
+    _check_key,
+    _is_disk_full,
+    _mkdirs,
+    _rmtree,
+    _safe_parts,
+    _write_json,
+)
+
+if TYPE_CHECKING:
+    from fa4gen.cache_archive import ArchiveLimits
 
 DEFAULT_ENV = "FA4GEN_CACHE_DIR"
 SIZE_LIMIT_ENV = "FA4GEN_CACHE_SIZE_LIMIT"
 TRUSTED_ENV = "FA4GEN_CACHE_TRUSTED"
 DEFAULT_SIZE_LIMIT = 10 * 1024**3
-META_NAME = "meta.json"
-FORMAT_VERSION = 1
 RESERVED_META_KEYS = frozenset({"files", "created", "size", "last_use"})
+# Entries used this recently are never evicted: a process that found or built one may be about to
+# load it without pinning (an older fa4gen; a `fa4gen warm` worker's kernels until the run ends).
+EVICTION_GRACE_S = 3600.0
 
-_KEY_RE = re.compile(r"[0-9a-f]{64}")
 _SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgtp]?)(?:i?b)?", re.IGNORECASE)
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _RACY_NS = 2_000_000_000  # files modified more recently than this are re-hashed on every lookup
 _VERIFIED: dict[tuple, None] = {}  # per-process memo of verified (path, file stats, digests)
 _VERIFIED_MAX = 4096
 _STALE_IMPORT_S = 24 * 3600
+_WARNED_OVER_LIMIT: set[str] = set()  # roots whose size-limit warning this process printed
 
 log = logging.getLogger(__name__)
-
-
-class CacheError(RuntimeError):
-    """Base class of every error raised by the kernel cache."""
-
-
-class CacheMiss(CacheError):
-    """get_or_build(no_compile=True) found no valid entry; the message comes from the caller."""
-
-
-class UntrustedCacheError(CacheError):
-    """Someone else can write the cache, so loading a kernel from it could run their code."""
-
-
-class CacheFullError(CacheError):
-    """The cache's filesystem filled up while an entry was written; nothing was kept."""
-
-
-class CacheCorruptionWarning(RuntimeWarning):
-    """An entry failed verification and was treated as missing."""
 
 
 def default_cache_root() -> Path:
@@ -94,30 +107,11 @@ def parse_size(value: int | str, source: str = "size limit") -> int:
     if match is not None:
         value = int(float(match.group(1)) * 1024 ** " kmgtp".index(match.group(2).lower() or " "))
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{source}: cannot use {value!r}; expected a byte count such as "
-                         f"1073741824 or a number with a K/M/G/T suffix such as 500M or 10G")
+        raise ValueError(
+            f"{source}: cannot use {value!r}; expected a byte count such as "
+            f"1073741824 or a number with a K/M/G/T suffix such as 500M or 10G"
+        )
     return value
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """A verified entry: `path` holds the artifact files listed in meta["files"]."""
-
-    key: str
-    path: Path
-    meta: dict
-
-    def file(self, name: str) -> Path:
-        files = self.meta.get("files", {})
-        if name not in files:
-            raise KeyError(f"cache entry {self.key} has no file {name!r}; it has {sorted(files)}")
-        return self.path / name
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise ValueError(f"invalid cache key {key!r}: expected 64 lowercase hex digits (make_key)")
-    return key
 
 
 def _check_meta(meta: dict) -> dict:
@@ -129,75 +123,43 @@ def _check_meta(meta: dict) -> dict:
     return json.loads(json.dumps(meta))  # a pure-JSON deep copy; TypeError if not serialisable
 
 
-def _is_disk_full(exc: BaseException | None) -> bool:
-    """ENOSPC/EDQUOT anywhere in the exception's cause/context chain."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    """Create `path` (which must not exist) holding `doc`, flushed to disk."""
-    data = memoryview(json.dumps(doc, sort_keys=True, indent=1).encode("utf-8"))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        while data:
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rmtree(path: Path) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _mkdirs(path: Path, mode: int) -> None:
-    """mkdir -p: the last directory gets `mode`, missing parents 0o755 (the umask applies)."""
-    missing = []
-    while not os.path.isdir(path) and path.parent != path:
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, mode if directory is missing[0] else 0o755)
-
-
-def _safe_parts(name: str) -> tuple[str, ...] | None:
-    """Components of a relative POSIX path that stays inside its directory, else None."""
-    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
-        return None
-    parts = PurePosixPath(name).parts
-    return None if not parts or ".." in parts or "." in parts else parts
-
-
 def _trust_error(path: Path, st: os.stat_result) -> UntrustedCacheError | None:
-    mode, uid = stat.S_IMODE(st.st_mode), os.geteuid()
-    if st.st_uid != uid:
-        problem = f"owned by uid {st.st_uid}, not by the current uid {uid}"
-    elif mode & 0o022:
+    """Why someone other than this process's user could change `path`, or None. Root may own
+    it (root can change any file anyway); group or world write, or another owner, is refused."""
+    mode, uid, owner = stat.S_IMODE(st.st_mode), os.geteuid(), st.st_uid
+    if mode & 0o022:
         who = " and ".join(w for w, bit in (("group", 0o020), ("world", 0o002)) if mode & bit)
         problem = f"{who}-writable (mode {mode:#o})"
+        fix = f"`chmod go-w {path}`" + ("" if owner in (uid, 0) else f" (as its owner, uid {owner})")
+    elif owner not in (uid, 0):
+        problem = f"owned by uid {owner}, another user, who could change the kernels in it"
+        fix = (
+            f"`chown -R {uid}` or `chown -R root` it (a cache that only you or root can write "
+            f"is accepted, read-only included)"
+        )
     else:
         return None
     return UntrustedCacheError(
         f"refusing to use fa4gen kernel cache path {path}: it is {problem}. Cached kernels are "
-        f"shared objects whose code runs when loaded, so only you may be able to write the cache. "
-        f"Fix: `chmod go-w {path}` (and `chown {uid} {path}` if it is not yours), or set "
-        f"{TRUSTED_ENV}=1 (or pass trusted=True) for a shared read-only cache you trust.")
+        f"shared objects whose code runs when loaded, so no other user may be able to write the "
+        f"cache. Fix: {fix}, or set {TRUSTED_ENV}=1 (or pass trusted=True) if you trust "
+        f"whoever can write it."
+    )
+
+
+def _can_access(path: Path, mode: int) -> bool:
+    """os.access for the effective uid (the one the kernel checks on open), where supported."""
+    flags = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+    return os.access(path, mode, **flags)
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB" if size >= 2**20 else f"{size} bytes"
 
 
 def _doc_problem(doc: Any, key: str) -> str | None:
@@ -233,8 +195,9 @@ def _collect(top: Path) -> tuple[dict[str, str], int]:
                 os.chmod(path, stat.S_IMODE(st.st_mode) & 0o755)
                 continue
             if not stat.S_ISREG(st.st_mode):
-                raise CacheError(f"build wrote {rel!r}, which is not a regular file "
-                                 f"(symlinks and special files cannot be cached)")
+                raise CacheError(
+                    f"build wrote {rel!r}, which is not a regular file (symlinks and special files cannot be cached)"
+                )
             if rel == META_NAME or _safe_parts(rel) is None:
                 raise CacheError(f"build wrote {rel!r}: that name is reserved or unsafe")
             os.chmod(path, stat.S_IMODE(st.st_mode) & 0o644)
@@ -253,10 +216,15 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 class KernelCache:
-    """Directory of compiled kernels keyed by make_key(); safe for concurrent processes."""
+    """Directory of compiled kernels keyed by make_key(); safe for concurrent processes.
 
-    def __init__(self, root: str | Path | None = None, *, size_limit: int | None = None,
-                 trusted: bool | None = None):
+    A cache this process cannot write (e.g. one owned by root and baked into an image) serves
+    hits as usual; a miss raises ReadOnlyCacheError, one line saying so, instead of compiling
+    somewhere the next process would not look (warm the cache where it is built, or point
+    FA4GEN_CACHE_DIR at a writable directory), and clear, drop_files and import_ raise it too.
+    """
+
+    def __init__(self, root: str | Path | None = None, *, size_limit: int | None = None, trusted: bool | None = None):
         self.root = Path(root if root is not None else default_cache_root()).expanduser().absolute()
         if size_limit is None:
             env = os.environ.get(SIZE_LIMIT_ENV, "").strip()
@@ -269,16 +237,17 @@ class KernelCache:
         self._tmp, self._index_dir = self.root / "tmp", self.root / "index"
         self._index: Any = None
         self._index_unusable = False
+        self._local = threading.local()  # .pins: key -> fd, while this thread is in pinned()
         try:
             _mkdirs(self.root, 0o700)
             if not os.path.isdir(self.root):
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory")
         except OSError as exc:
-            raise CacheError(f"cannot use {self.root} as the fa4gen cache directory ({exc}); set "
-                             f"{DEFAULT_ENV} to a directory you can write") from exc
-        for path in (self.root, self._entries, self._index_dir):
-            with contextlib.suppress(FileNotFoundError):
-                self._check_path(path, os.stat(path))
+            raise CacheError(
+                f"cannot use {self.root} as the fa4gen cache directory ({exc}); set "
+                f"{DEFAULT_ENV} to a directory you can write"
+            ) from exc
+        self._check_dirs()
 
     def __enter__(self) -> KernelCache:
         return self
@@ -293,23 +262,54 @@ class KernelCache:
                 self._index.close()
             self._index = None
 
-    def lookup(self, key: str) -> CacheEntry | None:
-        """The verified entry for `key`, or None if missing or broken (broken ones are removed)."""
-        return self._lookup(_check_key(key), locked=False)
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Entries that lookup / get_or_build return to this thread inside the block stay pinned
+        until it ends: no process evicts or clears them. Hold it from lookup until the artifact
+        is loaded (api.build and api.compile do); a nested block joins the outer one."""
+        if getattr(self._local, "pins", None) is not None:
+            yield
+            return
+        self._local.pins = pins = {}
+        try:
+            yield
+        finally:
+            self._local.pins = None
+            for fd in pins.values():
+                os.close(fd)
 
-    def get_or_build(self, key: str, meta: dict, build: Callable[[Path], None], *,
-                     no_compile: bool = False, miss_message: str = "") -> tuple[CacheEntry, bool]:
-        """(entry, built_now): the cached entry, calling build(tmpdir) once across processes."""
+    def lookup(self, key: str) -> CacheEntry | None:
+        """The verified entry for `key`, or None if missing or broken (broken ones are removed,
+        with one CacheCorruptionWarning). Inside pinned() the entry stays pinned."""
+        return self._lookup(_check_key(key), locked=False)[0]
+
+    def get_or_build(
+        self, key: str, meta: dict, build: Callable[[Path], None], *, no_compile: bool = False, miss_message: str = ""
+    ) -> tuple[CacheEntry, bool]:
+        """(entry, built_now): the cached entry, calling build(tmpdir) once across processes. A
+        fresh build is re-hashed where it lies before it is returned, like a hit; inside pinned()
+        the entry stays pinned. A miss raises CacheMiss with `no_compile`, ReadOnlyCacheError in
+        a cache this process cannot write."""
         meta = _check_meta(meta)
-        entry = self.lookup(key)
+        entry, problem = self._lookup(_check_key(key), locked=False)
         if entry is not None:
             return entry, False
         if no_compile:
-            raise CacheMiss(miss_message or f"kernel {key} is not in the fa4gen cache at "
-                            f"{self.root} and compilation is disabled (no_compile=True)")
+            raise CacheMiss(
+                miss_message
+                or f"kernel {key} is not in the fa4gen cache at "
+                f"{self.root} and compilation is disabled (no_compile=True)"
+            )
+        if reason := self._read_only_reason():
+            raise ReadOnlyCacheError(
+                f"kernel {key} is not in the fa4gen cache at {self.root}, which is {reason}: "
+                f"warm the cache where it is built (`fa4gen warm`), or set {DEFAULT_ENV} to a "
+                f"directory you can write to compile here"
+            )
         self._ensure_dirs()
         with self._locked(key):
-            entry = self._lookup(key, locked=True)  # another process may have built it meanwhile
+            # another process may have built it meanwhile; a broken entry was reported above
+            entry, _ = self._lookup(key, locked=True, quiet=problem is not None)
             if entry is not None:
                 return entry, False
             self._sweep_tmp(key)
@@ -325,7 +325,7 @@ class KernelCache:
             meta, _ = self._read_meta(self._entries / key, key)
             if meta is None:
                 continue
-            recorded = self._index_call(lambda index: index.get(key))
+            recorded = self._index_call(lambda index, key=key: index.get(key))
             meta["last_use"] = meta["created"]
             with contextlib.suppress(TypeError, ValueError, KeyError):
                 meta["last_use"] = float(json.loads(recorded)["last_use"])
@@ -347,7 +347,9 @@ class KernelCache:
         return report
 
     def clear(self, *, predicate: Callable[[CacheEntry], bool] | None = None) -> int:
-        """Remove every entry (broken ones included), or those matching `predicate`."""
+        """Remove every entry (broken ones included), or those matching `predicate`, except
+        those a process has pinned (it is loading them); returns how many were removed."""
+        self._require_writable("clear")
         if predicate is None:
             keys = self._keys()
         else:
@@ -362,85 +364,33 @@ class KernelCache:
     def drop_files(self, names: Collection[str]) -> int:
         """Remove the files ``names`` from every entry that lists them, and from its meta.json
         (files and size): e.g. the PTX kept for inspection, to ship a smaller cache. An entry
-        keeps a file that is its last one; broken entries are left alone. Returns how many
-        entries changed. Like ``clear``, meant for a cache no process is loading from."""
-        self._ensure_dirs()
-        changed = 0
-        for entry in self.entries():
-            with self._locked(entry.key):
-                changed += self._drop_locked(entry.key, set(names))
-        return changed
+        keeps a file that is its last one; broken and pinned entries are left alone. Returns how
+        many entries changed. Like ``clear``, meant for a cache no process is loading from."""
+        from fa4gen.cache_archive import drop_files
 
-    def _drop_locked(self, key: str, names: set[str]) -> bool:
-        entry, _ = self._load(key, force=True)
-        if entry is None:
-            return False
-        files = entry.meta["files"]
-        gone = names.intersection(files)
-        if not gone or gone == set(files):
-            return False
-        kept = {name: digest for name, digest in files.items() if name not in gone}
-        meta = {**entry.meta, "files": kept,
-                "size": sum(os.lstat(entry.path / name).st_size for name in kept)}
-        # the new meta.json replaces the old one atomically before the files go: an
-        # interruption leaves at worst unlisted files, which lookups ignore
-        used = os.stat(entry.path)  # the directory's times record its last use (_mark_used)
-        staging = self._new_tmpdir(key)
-        try:
-            _write_json(staging / META_NAME, {"format": FORMAT_VERSION, "key": key, "meta": meta})
-            os.replace(staging / META_NAME, entry.path / META_NAME)
-        finally:
-            _rmtree(staging)
-        for name in gone:
-            os.unlink(entry.path / name)
-        os.utime(entry.path, ns=(used.st_atime_ns, used.st_mtime_ns))
-        return True
+        return drop_files(self, set(names))
 
     def export(self, archive: Path) -> int:
         """Write every verified entry into the tar.gz `archive`; returns how many."""
-        import tarfile
+        from fa4gen.cache_archive import export_entries
 
-        archive = Path(archive)
-        partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
-        count = 0
-        try:
-            with tarfile.open(partial, "w:gz") as tar:
-                for key in self._keys():
-                    entry, problem = self._load(key)
-                    if problem is not None:
-                        warnings.warn(f"fa4gen cache: not exporting broken entry {key}: "
-                                      f"{problem}", CacheCorruptionWarning, stacklevel=2)
-                    if entry is not None:
-                        for name in [*entry.meta["files"], META_NAME]:
-                            _add_to_tar(tar, entry.path / name, f"{key}/{name}")
-                        count += 1
-            os.replace(partial, archive)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            if _is_disk_full(exc):
-                raise self._full_error(f"archive {archive}", archive.parent, exc) from exc
-            raise
-        return count
+        return export_entries(self, Path(archive))
 
-    def import_(self, archive: Path) -> int:
-        """Add the verified entries of a tar.gz made by export(); returns how many were added."""
-        self._ensure_dirs()
-        work = None
-        try:
-            work = self._new_tmpdir("import")
-            keys = _extract(Path(archive), work)
-            imported = [key for key in sorted(keys) if self._adopt(key, work / key)]
-        except BaseException as exc:
-            if _is_disk_full(exc):
-                raise self._full_error(f"entries from {archive}", self._tmp, exc) from exc
-            raise
-        finally:
-            if work is not None:
-                _rmtree(work)
-        if imported:
-            self._evict(keep=set(imported))
-        return len(imported)
+    def import_(self, archive: Path, *, sha256: str | None = None, limits: ArchiveLimits | None = None) -> int:
+        """Add the entries of a tar.gz made by export() that verify; returns how many were added
+        (entries already present are kept).
+
+        An archive is code: its kernel.so files are loaded and run. The sha256 of every file in
+        an entry's meta.json catches corruption, not malice (whoever made the archive made those
+        hashes too), so import only archives from a source you trust. ``sha256`` pins the
+        archive's own digest: it is checked over the whole file before anything is extracted.
+        Extraction streams under fa4gen.cache_archive.ArchiveLimits (bytes per file and in all,
+        members, meta.json and PAX header sizes; ``limits`` overrides them) and refuses links,
+        devices, absolute paths and '..': a refusal is a one-line CacheError naming the limit,
+        and leaves nothing in the cache."""
+        from fa4gen.cache_archive import import_entries
+
+        return import_entries(self, Path(archive), sha256, limits)
 
     # -------------------------------------------------------------------- verification
     def _check_path(self, path: Path, st: os.stat_result) -> None:
@@ -448,16 +398,67 @@ class KernelCache:
         if error is not None:
             raise error
 
-    def _read_meta(self, directory: Path, key: str) -> tuple[dict | None, str | None]:
-        """(meta, None), or (None, problem), or (None, None) when there is no such entry."""
-        try:
-            with open(directory / META_NAME, "rb") as f:
-                self._check_path(directory / META_NAME, os.fstat(f.fileno()))
-                raw = f.read()
+    def _check_dirs(self) -> None:
+        """Refuse a cache whose directories others can write, or this process cannot read."""
+        for path in (self.root, self._entries, self._index_dir, self._locks, self._tmp):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            self._check_path(path, st)
+            if path in (self.root, self._entries) and not _can_access(path, os.R_OK | os.X_OK):
+                raise CacheError(
+                    f"cannot read the fa4gen cache directory {path} (mode "
+                    f"{stat.S_IMODE(st.st_mode):#o}, owner uid {st.st_uid}): make the cache "
+                    f"readable, e.g. `chmod -R a+rX,go-w {self.root}`, or set {DEFAULT_ENV}"
+                )
+
+    def _read_only_reason(self) -> str | None:
+        """Why this process cannot add or remove entries ("read-only for ..."), or None."""
+        for directory in (self._entries, self._locks, self._tmp):
+            target = directory if os.path.isdir(directory) else self.root  # made on demand
+            if not _can_access(target, os.W_OK | os.X_OK):
+                return f"read-only for this process (uid {os.geteuid()} cannot write {target})"
+        return None
+
+    def _require_writable(self, action: str) -> None:
+        if reason := self._read_only_reason():
+            raise ReadOnlyCacheError(f"cannot {action} the fa4gen cache at {self.root}: it is {reason}")
+
+    def _open_meta(self, directory: Path, key: str, *, lock: bool) -> tuple[int | None, dict | None, str | None]:
+        """(fd, meta, None) with `fd` open on meta.json (holding a shared flock if `lock`), or
+        (None, None, problem), or (None, None, None) when there is no such entry."""
+        path = directory / META_NAME
+        try:  # O_NONBLOCK: a FIFO in its place must not hang the open
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None, (f"{META_NAME} is missing" if os.path.lexists(directory) else None)
+            return None, None, (f"{META_NAME} is missing" if os.path.lexists(directory) else None)
+        except OSError as exc:
+            return None, None, f"cannot open {META_NAME}: {exc.strerror or exc}"
+        meta = problem = None
+        try:
+            if lock:
+                with contextlib.suppress(OSError):  # a filesystem without locks: no pins there
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal (one rename)
+            if not lock or _same_file(fd, path):  # else removed or replaced meanwhile: absent
+                meta, problem = self._parse_meta(fd, path, key)
+        finally:
+            if meta is None:
+                os.close(fd)
+        return (fd, meta, None) if meta is not None else (None, None, problem)
+
+    def _parse_meta(self, fd: int, path: Path, key: str) -> tuple[dict | None, str | None]:
+        st = os.fstat(fd)
+        self._check_path(path, st)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{META_NAME} is not a regular file"
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_META_BYTES + 1)
         except OSError as exc:
             return None, f"cannot read {META_NAME}: {exc.strerror or exc}"
+        if len(raw) > MAX_META_BYTES:
+            return None, f"{META_NAME} is over the {MAX_META_BYTES}-byte limit"
         try:
             doc = json.loads(raw)
         except ValueError as exc:
@@ -465,12 +466,27 @@ class KernelCache:
         problem = _doc_problem(doc, key)
         return (None, problem) if problem else (doc["meta"], None)
 
+    def _read_meta(self, directory: Path, key: str) -> tuple[dict | None, str | None]:
+        """(meta, None), or (None, problem), or (None, None) when there is no such entry."""
+        fd, meta, problem = self._open_meta(directory, key, lock=False)
+        if fd is not None:
+            os.close(fd)
+        return meta, problem
+
     def _verify_files(self, directory: Path, files: dict[str, str], force: bool) -> str | None:
         """What is wrong with the listed files, or None; hashes are memoised by file stats."""
         self._check_path(directory, os.stat(directory))
         signature: list[Any] = [str(directory)]
+        parents: set[PurePosixPath] = set()
         for name, digest in sorted(files.items()):
             try:
+                for parent in list(PurePosixPath(name).parents)[:-1]:  # "sub" of "sub/plan.json"
+                    if parent not in parents:
+                        parents.add(parent)
+                        st = os.lstat(directory / parent)
+                        if not stat.S_ISDIR(st.st_mode):
+                            return f"{str(parent)!r} is not a directory"
+                        self._check_path(directory / parent, st)
                 st = os.lstat(directory / name)
             except OSError as exc:
                 return f"file {name!r} is missing ({exc.strerror})"
@@ -497,26 +513,44 @@ class KernelCache:
             _VERIFIED[memo_key] = None
         return None
 
-    def _load(self, key: str, *, force: bool = False) -> tuple[CacheEntry | None, str | None]:
+    def _load(self, key: str, *, force: bool = False, pin: bool = False) -> tuple[CacheEntry | None, str | None]:
+        """(entry, None) if `key` verifies, (None, problem) if it is broken, (None, None) if it
+        is absent. With `pin`, inside pinned(), the entry keeps its shared flock."""
         directory = self._entries / key
-        meta, problem = self._read_meta(directory, key)
-        if meta is None:
+        fd, meta, problem = self._open_meta(directory, key, lock=True)
+        if fd is None or meta is None:
             return None, problem
+        kept = False
         try:
-            problem = self._verify_files(directory, meta["files"], force)
-        except FileNotFoundError:
-            return None, None  # removed while we looked
-        return (None, problem) if problem else (CacheEntry(key, directory, meta), None)
+            try:
+                problem = self._verify_files(directory, meta["files"], force)
+            except FileNotFoundError:
+                return None, None  # removed while we looked
+            if problem is not None:
+                return None, problem
+            kept = pin and self._keep_pin(key, fd)
+            return CacheEntry(key, directory, meta), None
+        finally:
+            if not kept:
+                os.close(fd)
 
-    def _lookup(self, key: str, *, locked: bool) -> CacheEntry | None:
-        entry, problem = self._load(key)
+    def _keep_pin(self, key: str, fd: int) -> bool:
+        """Keep `fd` (a shared flock on key's meta.json) until the pinned() block ends."""
+        pins = getattr(self._local, "pins", None)
+        if pins is None or key in pins:
+            return False
+        pins[key] = fd
+        return True
+
+    def _lookup(self, key: str, *, locked: bool, quiet: bool = False) -> tuple[CacheEntry | None, str | None]:
+        entry, problem = self._load(key, pin=True)
         if problem is not None:
-            self._discard_broken(key, problem, locked=locked)
+            self._discard_broken(key, problem, locked=locked, quiet=quiet)
         elif entry is not None:
             self._mark_used(entry)
-        return entry
+        return entry, problem
 
-    def _discard_broken(self, key: str, problem: str, *, locked: bool) -> None:
+    def _discard_broken(self, key: str, problem: str, *, locked: bool, quiet: bool) -> None:
         removed = False
         if locked:
             removed = self._discard(self._entries / key)
@@ -524,10 +558,13 @@ class KernelCache:
             with contextlib.suppress(OSError), self._locked(key, blocking=False) as got:
                 if got and self._load(key)[1] is not None:
                     removed = self._discard(self._entries / key)
-        action = "removed it" if removed else "treating it as missing"
-        warnings.warn(f"fa4gen cache entry {key} in {self._entries} is broken: {problem}; "
-                      f"{action}", CacheCorruptionWarning, stacklevel=4)
-        log.warning("fa4gen cache entry %s is broken: %s; %s", key, problem, action)
+        if not quiet:  # the one report: the CLI prints warnings, so no log line beside it
+            action = "removed it" if removed else "treating it as missing"
+            warnings.warn(
+                f"fa4gen cache entry {key} in {self._entries} is broken: {problem}; {action}",
+                CacheCorruptionWarning,
+                stacklevel=4,
+            )
 
     # -------------------------------------------------------------------- writing
     def _build(self, key: str, meta: dict, build: Callable[[Path], None]) -> CacheEntry:
@@ -547,25 +584,17 @@ class KernelCache:
             if _is_disk_full(exc):
                 raise self._full_error(f"cache entry {key}", self._tmp, exc) from exc
             raise
-        return CacheEntry(key, dest, full)
-
-    def _adopt(self, key: str, staged: Path) -> bool:
-        """Move an extracted entry into entries/ if it verifies and is not already there."""
-        meta, problem = self._read_meta(staged, key)
-        if meta is not None:
-            problem = _unlisted(staged, meta["files"]) or self._verify_files(
-                staged, meta["files"], force=True)
-        if problem is not None or meta is None:
-            warnings.warn(f"fa4gen cache: not importing entry {key}: {problem}",
-                          CacheCorruptionWarning, stacklevel=3)
-            return False
-        with self._locked(key):
-            if self._load(key)[0] is not None:
-                return False
-            self._discard(self._entries / key)
-            os.rename(staged, self._entries / key)
-            self._touch(CacheEntry(key, self._entries / key, meta))
-        return True
+        # re-hashed where it lies, like a hit: what loads is what entries/ holds, not what
+        # _collect saw in tmp/
+        entry, problem = self._load(key, force=True, pin=True)
+        if entry is None:
+            self._discard(dest)
+            raise CacheError(
+                f"the fresh build of kernel {key} does not verify in "
+                f"{self._entries} ({problem or 'it vanished'}); it was removed. "
+                f"Is another process writing into {self.root}?"
+            )
+        return entry
 
     def _ensure_dirs(self) -> None:
         try:
@@ -574,8 +603,11 @@ class KernelCache:
         except OSError as exc:
             if _is_disk_full(exc):
                 raise self._full_error("cache directories", self.root, exc) from exc
-            raise CacheError(f"cannot create the cache directories under {self.root} ({exc}); "
-                             f"a read-only cache can only be used with no_compile=True") from exc
+            raise CacheError(
+                f"cannot create the cache directories under {self.root} ({exc}); "
+                f"a read-only cache can only be used with no_compile=True"
+            ) from exc
+        self._check_dirs()  # someone may have made them since __init__ looked
 
     def _new_tmpdir(self, prefix: str) -> Path:
         while True:
@@ -604,7 +636,8 @@ class KernelCache:
         return CacheFullError(
             f"disk full while writing {what} in {where} ({exc}); {free} is free on that "
             f"filesystem and nothing was kept. Free some space (`fa4gen cache clear`), lower "
-            f"{SIZE_LIMIT_ENV}, or set {DEFAULT_ENV} to a directory on a larger filesystem.")
+            f"{SIZE_LIMIT_ENV}, or set {DEFAULT_ENV} to a directory on a larger filesystem."
+        )
 
     # -------------------------------------------------------------------- removal, eviction
     def _keys(self) -> list[str]:
@@ -626,27 +659,69 @@ class KernelCache:
         return not os.path.lexists(path)
 
     def _remove_locked(self, key: str) -> bool:
-        """Remove the entry, index record and lock file of `key`; the caller holds its lock."""
-        removed = self._discard(self._entries / key)
+        """Remove the entry, index record and lock file of `key`, unless a process has it pinned
+        (then False); the caller holds its build lock."""
+        with self._exclusive_pin(key) as free:
+            if not free:
+                return False
+            removed = self._discard(self._entries / key)
         self._index_call(lambda index: index.delete(key))
         with contextlib.suppress(OSError):
             os.unlink(self._locks / f"{key}.lock")  # waiters notice and re-open (_locked)
         return removed
 
+    @contextlib.contextmanager
+    def _exclusive_pin(self, key: str) -> Iterator[bool]:
+        """Hold key's meta.json exclusively without waiting: False while a reader pins it (an
+        entry without a meta.json to open is broken, and nobody can pin it: True)."""
+        try:  # read-write: NFS grants an exclusive lock to a writer only
+            fd = os.open(self._entries / key / META_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            yield True
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = True
+            except BlockingIOError:
+                free = False
+            except OSError:  # a filesystem without locks: nothing can be pinned there
+                free = True
+            yield free
+        finally:
+            os.close(fd)
+
     def _evict(self, keep: set[str]) -> None:
-        """Remove least-recently-used entries (never `keep`, never locked ones) to fit the limit."""
+        """Remove least-recently-used entries until the cache fits its size limit. Never `keep`,
+        entries pinned by any process or used in the last EVICTION_GRACE_S; when those alone
+        exceed the limit, they stay and one CacheSizeWarning per process says so."""
         listed = self.entries()
         total = sum(entry.meta["size"] for entry in listed)
+        recent = time.time() - EVICTION_GRACE_S
         for entry in reversed(listed):
             if total <= self.size_limit:
-                break
-            if entry.key in keep:
+                return
+            if entry.key in keep or entry.meta["last_use"] > recent:
                 continue
             with self._locked(entry.key, blocking=False) as got:
                 if got and self._remove_locked(entry.key):
                     total -= entry.meta["size"]
-                    log.info("fa4gen cache: evicted %s (%d bytes) to stay under %d bytes",
-                             entry.key, entry.meta["size"], self.size_limit)
+                    log.info(
+                        "fa4gen cache: evicted %s (%d bytes) to stay under %d bytes",
+                        entry.key,
+                        entry.meta["size"],
+                        self.size_limit,
+                    )
+        if total > self.size_limit and str(self.root) not in _WARNED_OVER_LIMIT:
+            _WARNED_OVER_LIMIT.add(str(self.root))
+            warnings.warn(
+                f"fa4gen cache {self.root} keeps {_size_text(total)} of kernels in use or used in "
+                f"the last {EVICTION_GRACE_S / 60:g} minutes, over its size limit of "
+                f"{_size_text(self.size_limit)}, and evicted none of them: set {SIZE_LIMIT_ENV}="
+                f"{-(-total // 2**20)}M or more",
+                CacheSizeWarning,
+                stacklevel=3,
+            )
 
     # -------------------------------------------------------------------- locks and index
     @contextlib.contextmanager
@@ -655,7 +730,7 @@ class KernelCache:
         drops the lock when its holder dies, so a killed build never leaves a stale lock."""
         path = self._locks / f"{key}.lock"
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -693,8 +768,7 @@ class KernelCache:
             except Exception as exc:  # sqlite3.Error, OSError, diskcache.Timeout, bad records
                 self.close()  # e.g. the index directory was deleted under us: reopen once
                 if attempt:
-                    log.warning("fa4gen cache index %s failed (%s); continuing without it",
-                                self._index_dir, exc)
+                    log.warning("fa4gen cache index %s failed (%s); continuing without it", self._index_dir, exc)
         return None
 
     def _open_index(self) -> Any:
@@ -703,74 +777,13 @@ class KernelCache:
 
             for attempt in (0, 1):
                 try:
-                    self._index = diskcache.Cache(str(self._index_dir), timeout=10,
-                                                  eviction_policy="none")
+                    self._index = diskcache.Cache(str(self._index_dir), timeout=10, eviction_policy="none")
                     break
                 except Exception as exc:  # sqlite3.Error, OSError, diskcache.Timeout
                     if attempt == 0 and type(exc) is sqlite3.DatabaseError:  # not a database
-                        log.warning("fa4gen cache index %s is corrupt; recreating it",
-                                    self._index_dir)
+                        log.warning("fa4gen cache index %s is corrupt; recreating it", self._index_dir)
                         _rmtree(self._index_dir)
                         continue
-                    log.info("fa4gen cache index %s unusable (%s); last-use tracking is off",
-                             self._index_dir, exc)
+                    log.info("fa4gen cache index %s unusable (%s); last-use tracking is off", self._index_dir, exc)
                     self._index_unusable = True
         return self._index
-
-
-def _unlisted(directory: Path, files: dict[str, str]) -> str | None:
-    found = {Path(dirpath, name).relative_to(directory).as_posix()
-             for dirpath, _, names in os.walk(directory) for name in names}
-    extra = sorted(found - set(files) - {META_NAME})
-    return f"it holds files its {META_NAME} does not list: {extra}" if extra else None
-
-
-def _add_to_tar(tar: Any, path: Path, arcname: str) -> None:
-    import tarfile
-
-    with open(path, "rb") as f:
-        info = tarfile.TarInfo(arcname)  # owner 0, no absolute paths, no host details
-        info.size, info.mtime, info.mode = os.fstat(f.fileno()).st_size, int(time.time()), 0o644
-        tar.addfile(info, f)
-
-
-def _member_parts(member: Any, archive: Path) -> tuple[str, ...]:
-    """Path components of a tar member; refuses anything that could escape or is not a file."""
-    parts = _safe_parts(member.name)
-    if parts is None:
-        raise CacheError(f"refusing to import {archive}: member {member.name!r} is an absolute "
-                         f"path or leaves the archive directory ('..')")
-    if not (member.isfile() or member.isdir()):
-        kind = "symlink" if member.issym() else "hard link" if member.islnk() else "special file"
-        raise CacheError(f"refusing to import {archive}: member {member.name!r} is a {kind}; "
-                         f"only regular files and directories are allowed")
-    if not _KEY_RE.fullmatch(parts[0]) or (member.isfile() and len(parts) < 2):
-        raise CacheError(f"refusing to import {archive}: member {member.name!r} is not inside "
-                         f"a <key>/ directory, so this is not an fa4gen cache archive")
-    return parts
-
-
-def _extract(archive: Path, work: Path) -> set[str]:
-    """Unpack `archive` under `work`, writing every file ourselves; returns the keys it holds."""
-    import gzip
-    import tarfile
-    import zlib
-
-    keys: set[str] = set()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        with tarfile.open(archive, "r:gz") as tar:
-            for member in tar:
-                parts = _member_parts(member, archive)
-                keys.add(parts[0])
-                target = work.joinpath(*parts)
-                _mkdirs(target if member.isdir() else target.parent, 0o755)
-                if member.isfile():
-                    with tar.extractfile(member) as src, open(os.open(target, flags, 0o644),
-                                                              "wb") as out:
-                        shutil.copyfileobj(src, out)
-    except FileExistsError as exc:
-        raise CacheError(f"refusing to import {archive}: duplicate member {exc.filename}") from exc
-    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        raise CacheError(f"cannot read cache archive {archive}: {exc}") from exc
-    return keys

@@ -9,13 +9,15 @@
 
 ``--cache-dir`` may be given before the command (global) or after it; it defaults to
 ``$FA4GEN_CACHE_DIR``, then ``$XDG_CACHE_HOME/fa4gen``, then ``~/.cache/fa4gen``.
-Expected failures (a bad spec, an unsupported arch, a cache problem) print one line and exit 1.
+Expected failures (a bad spec file, an unsupported arch, a malformed FA4GEN_* variable, a cache
+problem) print one line and exit 1; usage errors (a bad option) exit 2.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -25,20 +27,21 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 import yaml
 from pydantic import ValidationError
 
 import fa4gen
-from fa4gen.api import BUILD_INFO_FILE
+from fa4gen.api import BUILD_INFO_FILE, NO_COMPILE_ENV, _no_compile_default
 from fa4gen.arch import Arch, UnsupportedArchError
-from fa4gen.cache import CacheCorruptionWarning, CacheEntry, CacheError, CacheMiss, KernelCache, default_cache_root
+from fa4gen.cache import CacheEntry, CacheError, CacheMiss, CacheWarning, KernelCache, default_cache_root
 from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
 from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec
-from fa4gen.specfile import load_spec
+from fa4gen.specfile import SpecFileError, load_spec
+from fa4gen.toolchain import ToolchainError, toolchain
 from fa4gen.tuning import MIN_GAIN, tune
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -46,24 +49,43 @@ _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _STATUS_STYLES = {"compiled": "green", "cached": "cyan", "failed": "bold red"}  # warm report rows
 # Failures a user can fix: reported as one line, never with a traceback.
-_EXPECTED_ERRORS = (ValidationError, yaml.YAMLError, ValueError, UnsupportedArchError, CacheError,
-                    CompileError, OSError)
+_EXPECTED_ERRORS = (
+    ValidationError,
+    yaml.YAMLError,
+    ValueError,
+    UnsupportedArchError,
+    CacheError,
+    CompileError,
+    ToolchainError,
+    OSError,
+)
+_SHA256_RE = re.compile(r"[0-9a-fA-F]{64}")
 
-app = typer.Typer(name="fa4gen", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_show_locals=False)
+app = typer.Typer(name="fa4gen", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
 cache_app = typer.Typer(help="Inspect and manage the on-disk kernel cache.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 CacheDirOption = Annotated[
     Optional[Path],
-    typer.Option("--cache-dir", help="Kernel cache directory [default: $FA4GEN_CACHE_DIR or ~/.cache/fa4gen]",
-                 file_okay=False, show_default=False),
+    typer.Option(
+        "--cache-dir",
+        help="Kernel cache directory [default: $FA4GEN_CACHE_DIR or ~/.cache/fa4gen]",
+        file_okay=False,
+        show_default=False,
+    ),
 ]
 SpecArgument = Annotated[Path, typer.Argument(help="Spec YAML file.", dir_okay=False, show_default=False)]
 ArchOption = Annotated[str, typer.Option("--arch", help="Target architecture, e.g. sm_90a.")]
-SeqlenOption = Annotated[Optional[int], typer.Option(
-    "--seqlen", min=1, help="The plan that a launch whose longest query sequence has this many rows runs "
-                            "(the planner splits some specs by length).", show_default=False)]
+SeqlenOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--seqlen",
+        min=1,
+        help="The plan that a launch whose longest query sequence has this many rows runs "
+        "(the planner splits some specs by length).",
+        show_default=False,
+    ),
+]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -81,7 +103,10 @@ def describe_error(exc: BaseException) -> str:
 
 
 def failure_reason(exc: BaseException) -> str:
-    """``ExceptionType: first line of its message``, for one row of the warm report."""
+    """``ExceptionType: first line of its message``, for one row of the warm report (whose spec
+    column already names the file)."""
+    if isinstance(exc, SpecFileError):
+        return f"{type(exc).__name__}: {exc.problem}"
     text = describe_error(exc) if isinstance(exc, (ValidationError, OSError)) else str(exc)
     lines = text.strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -94,7 +119,7 @@ def _reporting_errors() -> Iterator[None]:
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CacheCorruptionWarning)
+            warnings.simplefilter("always", CacheWarning)
             try:
                 yield
             except _EXPECTED_ERRORS as exc:
@@ -108,11 +133,10 @@ def _reporting_errors() -> Iterator[None]:
 
 def _flush_warnings(caught: list[warnings.WarningMessage]) -> None:
     for item in caught:
-        if issubclass(item.category, CacheCorruptionWarning):
+        if issubclass(item.category, CacheWarning):
             typer.echo(f"warning: {item.message}", err=True)
         else:  # back through the active filters, as if never caught
-            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno,
-                                   source=item.source)
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno, source=item.source)
 
 
 def _cache_root(ctx: typer.Context, cache_dir: Path | None) -> Path:
@@ -125,9 +149,9 @@ def human_size(size: int) -> str:
     """Bytes in binary units: 512 B, 163.0 KiB, 2.5 GiB."""
     if size < 1024:
         return f"{size} B"
-    value = float(size)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
+    value, unit = float(size), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        value, unit = value / 1024, larger
         if value < 1024:
             break
     return f"{value:.1f} {unit}"
@@ -145,8 +169,9 @@ def parse_duration(text: str) -> float:
     """Seconds in a duration such as 45s, 30m, 12h, 7d or 2w."""
     match = _DURATION_RE.fullmatch(text.strip())
     if match is None:
-        raise typer.BadParameter(f"{text!r} is not a duration: use a number and a unit, e.g. 30m, 12h, 7d",
-                                 param_hint="'--older-than'")
+        raise typer.BadParameter(
+            f"{text!r} is not a duration: use a number and a unit, e.g. 30m, 12h, 7d", param_hint="'--older-than'"
+        )
     return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
 
 
@@ -168,20 +193,42 @@ def compile_command(
     ctx: typer.Context,
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
-    no_compile: Annotated[bool, typer.Option(
-        "--no-compile", help="Fail on a cache miss instead of compiling (or FA4GEN_NO_COMPILE=1).")] = False,
+    no_compile: Annotated[
+        bool, typer.Option("--no-compile", help="Fail on a cache miss instead of compiling (or FA4GEN_NO_COMPILE=1).")
+    ] = False,
     cache_dir: CacheDirOption = None,
 ) -> None:
-    """Build a spec into the kernel cache (or find it there); print the plan and the entry."""
+    """Build a spec into the kernel cache (or find it there); print the plan and the entry.
+    A line per kernel goes to stderr as each is built or found (a spec has up to three plans)."""
     with _reporting_errors():
         spec, root = load_spec(spec_file), _cache_root(ctx, cache_dir)
         started = time.perf_counter()
-        result = fa4gen.build(spec, arch, cache_dir=root, no_compile=no_compile or None)  # None: env decides
+        with _build_progress(f"building {spec.summary()} for {arch}") as report:
+            result = fa4gen.build(
+                spec,
+                arch,
+                cache_dir=root,
+                no_compile=no_compile or None,  # None: env decides
+                progress=report,
+            )
         elapsed = time.perf_counter() - started
     for built, heading in ((result, ""), *((b, f"{s.label} sequences ({s.rows()}):\n") for s, b in result.splits)):
         status = _build_status(built.entry, built.built_now, elapsed)
-        typer.echo(f"{heading}{built.plan.describe()}\n\nkey     {built.key}\npath    {built.entry.path}\n"
-                   f"status  {status}\nsize    {human_size(built.entry.meta.get('size', 0))}")
+        typer.echo(
+            f"{heading}{built.plan.describe()}\n\nkey     {built.key}\npath    {built.entry.path}\n"
+            f"status  {status}\nsize    {human_size(built.entry.meta.get('size', 0))}"
+        )
+
+
+@contextlib.contextmanager
+def _build_progress(description: str) -> Iterator[Callable[[str], None]]:
+    """A callback that prints a line to stderr, under a spinner showing ``description`` on a terminal."""
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        yield lambda line: typer.echo(line, err=True)
+        return
+    with console.status(description):
+        yield lambda line: console.print(line, markup=False)
 
 
 def _build_status(entry: CacheEntry, built_now: bool, elapsed: float) -> str:
@@ -222,21 +269,45 @@ def tune_command(
     ctx: typer.Context,
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
-    seqlens: Annotated[str, typer.Option("--seqlens", help="Sequence lengths to time, comma-separated [default: "
-                                         "2048,8192 where the main plan runs them]", show_default=False)] = "",
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Passes over the candidates (alternating "
-                                                                 "direction; even counts cancel drift).")] = 4,
-    min_gain: Annotated[float, typer.Option("--min-gain", min=0.0, help="How much faster than the planner's "
-                                            "default (a share: 0.02 = 2%) the fastest candidate must be to "
-                                            "be recorded; else the default is.")] = MIN_GAIN,
+    seqlens: Annotated[
+        str,
+        typer.Option(
+            "--seqlens",
+            help="Sequence lengths to time, comma-separated [default: 2048,8192 where the main plan runs them]",
+            show_default=False,
+        ),
+    ] = "",
+    rounds: Annotated[
+        int,
+        typer.Option(
+            "--rounds", min=1, help="Passes over the candidates (alternating direction; even counts cancel drift)."
+        ),
+    ] = 4,
+    min_gain: Annotated[
+        float,
+        typer.Option(
+            "--min-gain",
+            min=0.0,
+            help="How much faster than the planner's "
+            "default (a share: 0.02 = 2%) the fastest candidate must be to "
+            "be recorded; else the default is.",
+        ),
+    ] = MIN_GAIN,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """On a GPU: time the planner's candidate plans for a spec and record the fastest (where it
     beats the default by more than --min-gain), which fa4gen.compile then uses on GPUs of this name."""
     with _reporting_errors():
         lengths = tuple(int(part) for part in seqlens.split(",") if part.strip()) or None
-        result = tune(load_spec(spec_file), arch, cache_dir=_cache_root(ctx, cache_dir), seqlens=lengths,
-                      log=typer.echo, rounds=rounds, min_gain=min_gain)
+        result = tune(
+            load_spec(spec_file),
+            arch,
+            cache_dir=_cache_root(ctx, cache_dir),
+            seqlens=lengths,
+            log=typer.echo,
+            rounds=rounds,
+            min_gain=min_gain,
+        )
     fastest = result.rows[result.fastest]
     gain = fastest["score"] / result.rows[0]["score"] - 1.0
     typer.echo(f"\nfastest: {fastest['changes']}" + (f" ({gain:+.1%} over the planner default)" if gain else ""))
@@ -249,8 +320,9 @@ def tune_command(
 def emit_command(
     spec_file: SpecArgument,
     arch: ArchOption = Arch.SM90A.value,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the source here.",
-                                                   dir_okay=False)] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Write the source here.", dir_okay=False)
+    ] = None,
     seqlen: SeqlenOption = None,
 ) -> None:
     """Print the generated CuTe-DSL source of a spec (or write it to a file)."""
@@ -274,12 +346,10 @@ def schema_command() -> None:
 @app.command("version")
 def version_command(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
     """Print the fa4gen version, the CuTe DSL toolchain and the cache root."""
-    from fa4gen.toolchain import toolchain
-
     try:
         found = toolchain()
         tools = f"nvidia-cutlass-dsl {found['cutlass_dsl']} ({found['cuda']})"
-    except RuntimeError as exc:
+    except ToolchainError as exc:
         tools = f"unavailable ({describe_error(exc)})"
     typer.echo(f"fa4gen      {fa4gen.__version__}")
     typer.echo(f"CuTe DSL    {tools}")
@@ -329,8 +399,14 @@ def _entries_table(entries: list[CacheEntry], root: Path):
     for entry in entries:
         meta = entry.meta
         created = datetime.fromtimestamp(meta["created"]).strftime("%Y-%m-%d %H:%M")
-        table.add_row(entry.key[:12], str(meta.get("summary", "?")), str(meta.get("arch", "?")),
-                      human_size(meta["size"]), created, _age(meta["last_use"], now))
+        table.add_row(
+            entry.key[:12],
+            str(meta.get("summary", "?")),
+            str(meta.get("arch", "?")),
+            human_size(meta["size"]),
+            created,
+            _age(meta["last_use"], now),
+        )
     return table
 
 
@@ -338,8 +414,10 @@ def _entries_table(entries: list[CacheEntry], root: Path):
 def cache_clear(
     ctx: typer.Context,
     arch: Annotated[Optional[str], typer.Option("--arch", help="Only entries built for this arch.")] = None,
-    older_than: Annotated[Optional[str], typer.Option(
-        "--older-than", help="Only entries last used longer ago than this, e.g. 30m, 12h, 7d.")] = None,
+    older_than: Annotated[
+        Optional[str],
+        typer.Option("--older-than", help="Only entries last used longer ago than this, e.g. 30m, 12h, 7d."),
+    ] = None,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Remove cached kernels: all of them (broken ones included), or those matching the filters."""
@@ -365,8 +443,7 @@ def cache_verify(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
     broken = [(key, problem) for key, problem in report if problem is not None]
     for key, problem in broken:
         typer.echo(f"broken {key[:12]}: {problem}")
-    typer.echo(f"{_entries(len(report))} checked in {cache.root}: "
-               f"{len(report) - len(broken)} ok, {len(broken)} broken")
+    typer.echo(f"{_entries(len(report))} checked in {cache.root}: {len(report) - len(broken)} ok, {len(broken)} broken")
     if broken:
         raise typer.Exit(1)
 
@@ -374,15 +451,21 @@ def cache_verify(ctx: typer.Context, cache_dir: CacheDirOption = None) -> None:
 @cache_app.command("drop")
 def cache_drop(
     ctx: typer.Context,
-    names: Annotated[list[str], typer.Argument(
-        help=f"Files to remove from every entry, e.g. {PTX_FILE} (kept for inspection; the loader reads "
-             f"only {LIBRARY_FILE}).")],
+    names: Annotated[
+        list[str],
+        typer.Argument(
+            help=f"Files to remove from every entry, e.g. {PTX_FILE} (kept for inspection; the loader reads "
+            f"only {LIBRARY_FILE})."
+        ),
+    ],
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Remove inspection files from the cached kernels (and from their records), to ship a smaller cache."""
     if LIBRARY_FILE in names:
-        raise typer.BadParameter(f"{LIBRARY_FILE} is the compiled kernel that loading needs; drop others, "
-                                 f"e.g. {PTX_FILE}", param_hint="NAMES")
+        raise typer.BadParameter(
+            f"{LIBRARY_FILE} is the compiled kernel that loading needs; drop others, e.g. {PTX_FILE}",
+            param_hint="NAMES",
+        )
     with _opened_cache(ctx, cache_dir) as cache:
         count = cache.drop_files(names)
     typer.echo(f"dropped {', '.join(names)} from {_entries(count)} in {cache.root}")
@@ -404,33 +487,58 @@ def cache_export(
 def cache_import(
     ctx: typer.Context,
     archive: Annotated[Path, typer.Argument(help="Archive written by `fa4gen cache export`.")],
+    sha256: Annotated[
+        Optional[str],
+        typer.Option(
+            "--sha256",
+            metavar="HEX",
+            show_default=False,
+            help="Import only if the archive's SHA-256 is this digest (checked before anything is extracted). "
+            "Take the digest from the archive's producer over a channel you trust.",
+        ),
+    ] = None,
     cache_dir: CacheDirOption = None,
 ) -> None:
-    """Add the kernels of an exported archive to the cache (entries already present are kept)."""
+    """Add the kernels of an exported archive to the cache (entries already present are kept).
+    An archive is code: each entry's kernel.so is loaded and run by the processes that use the
+    cache, so import only archives from a source you trust. The hashes inside an archive (checked
+    on import and by `fa4gen cache verify`) catch corruption, not malice: whoever made the archive
+    made its hashes too. --sha256 pins the archive to a digest its producer published."""
+    if sha256 is not None and not _SHA256_RE.fullmatch(sha256):
+        raise typer.BadParameter(
+            f"{sha256[:80]!r} is not a SHA-256 digest: give 64 hex digits, e.g. from "
+            "`sha256sum ARCHIVE` where the archive was made",
+            param_hint="'--sha256'",
+        )
     with _opened_cache(ctx, cache_dir) as cache:
-        count = cache.import_(archive)
+        count = cache.import_(archive, sha256=None if sha256 is None else sha256.lower())
     typer.echo(f"imported {_entries(count)} into {cache.root}")
 
 
 # ----------------------------------------------------------------------------- warm
-def warm_one(spec_file: str, arch: str, cache_dir: str, no_compile: bool = False,
-             candidate: int | None = None) -> dict[str, Any] | None:
+def warm_one(
+    spec_file: str, arch: str, cache_dir: str, no_compile: bool = False, candidate: int | None = None
+) -> dict[str, Any] | None:
     """Build one (spec file, arch) pair, or its tuning candidate number ``candidate``; runs in a
     worker process, so plain data in and out. With ``no_compile`` (the parent's quick pass) a
     cache miss returns None: compile it later."""
     started = time.perf_counter()
-    try:
-        spec = load_spec(spec_file)
-        kernel_plan = None if candidate is None else candidates(spec, arch)[candidate]
-        result = fa4gen.build(spec, arch, cache_dir=cache_dir, no_compile=no_compile, kernel_plan=kernel_plan)
-    except CacheMiss:
-        if no_compile:
-            return None
-        raise
-    except Exception as exc:  # every failure becomes a row of the report, never a crash
-        return {"status": "failed", "seconds": time.perf_counter() - started, "error": failure_reason(exc)}
-    status = "compiled" if result.any_built_now else "cached"
-    return {"status": status, "seconds": time.perf_counter() - started, "error": None}
+    # cache warnings go back to the parent, which prints each once (not once per worker)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheWarning)
+        try:
+            spec = load_spec(spec_file)
+            kernel_plan = None if candidate is None else candidates(spec, arch)[candidate]
+            result = fa4gen.build(spec, arch, cache_dir=cache_dir, no_compile=no_compile, kernel_plan=kernel_plan)
+            row = {"status": "compiled" if result.any_built_now else "cached", "error": None}
+        except CacheMiss:
+            if no_compile:
+                return None
+            raise
+        except Exception as exc:  # every failure becomes a row of the report, never a crash
+            row = {"status": "failed", "error": failure_reason(exc)}
+    notes = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    return {**row, "seconds": time.perf_counter() - started, "warnings": notes}
 
 
 @dataclass(frozen=True)
@@ -476,31 +584,57 @@ def _split_arches(text: str) -> list[str]:
 
 
 def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[str, Any]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     results: list[dict[str, Any]] = [{} for _ in jobs]
+    printed: set[str] = set()  # warnings already shown (workers report the same ones)
     context = multiprocessing.get_context("spawn")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=True) as progress, \
-            ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        task = progress.add_task("warming", total=len(jobs))
+    with _job_progress(len(jobs)) as finished, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: dict[Future, int] = {
             pool.submit(warm_one, str(job.spec_file), job.arch, str(cache_root), False, job.candidate): index
             for index, job in enumerate(jobs)
         }
         try:
             for future in as_completed(futures):
-                index, job = futures[future], jobs[futures[future]]
+                index = futures[future]
                 try:
                     results[index] = future.result()
                 except Exception as exc:  # the worker process itself died (killed, out of memory)
                     results[index] = {"status": "failed", "seconds": 0.0, "error": failure_reason(exc)}
-                progress.update(task, advance=1, description=f"{job.spec_file.name} {job.arch}")
+                finished(jobs[index], results[index])
+                for note in results[index].get("warnings", ()):
+                    if note not in printed:
+                        printed.add(note)
+                        typer.echo(f"warning: {note}", err=True)
         except BaseException:  # e.g. Ctrl-C: do not start the jobs still queued
             for future in futures:
                 future.cancel()
             raise
     return results
+
+
+@contextlib.contextmanager
+def _job_progress(total: int) -> Iterator[Callable[[WarmJob, dict[str, Any]], None]]:
+    """A callback for each finished job: a progress bar on a terminal, else one line each on stderr
+    (a CI log shows what is happening during a long compile, not a minute of silence)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = _console(stderr=True)
+    done = 0
+
+    def line(job: WarmJob, result: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        reason = f": {result['error']}" if result["error"] else ""
+        typer.echo(
+            f"[{done}/{total}] {result['status']} {job.label} {job.arch} in {result['seconds']:.1f} s{reason}", err=True
+        )
+
+    if not console.is_terminal:
+        yield line
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("warming", total=total)
+        yield lambda job, result: progress.update(task, advance=1, description=f"{job.spec_file.name} {job.arch}")
 
 
 def _warm_table(jobs: list[WarmJob], results: list[dict[str, Any]]):
@@ -509,57 +643,118 @@ def _warm_table(jobs: list[WarmJob], results: list[dict[str, Any]]):
 
     table = Table(title="fa4gen warm")
     for name in ("spec", "arch", "status", "seconds", "reason"):
-        table.add_column(name, overflow="fold", no_wrap=name in ("arch", "status", "seconds"),
-                         justify="right" if name == "seconds" else "left")
+        table.add_column(
+            name,
+            overflow="fold",
+            no_wrap=name in ("arch", "status", "seconds"),
+            justify="right" if name == "seconds" else "left",
+        )
     for job, result in zip(jobs, results):
         status = result["status"]
-        table.add_row(job.label, job.arch, f"[{_STATUS_STYLES[status]}]{status}[/]",
-                      f"{result['seconds']:.2f}", escape(result["error"] or ""))
+        table.add_row(
+            job.label,
+            job.arch,
+            f"[{_STATUS_STYLES[status]}]{status}[/]",
+            f"{result['seconds']:.2f}",
+            escape(result["error"] or ""),
+        )
     return table
 
 
 @app.command("warm")
 def warm_command(
     ctx: typer.Context,
-    paths: Annotated[list[Path], typer.Argument(help="Spec files or directories (searched recursively).",
-                                                exists=True, show_default=False)],
+    paths: Annotated[
+        list[Path],
+        typer.Argument(help="Spec files or directories (searched recursively).", exists=True, show_default=False),
+    ],
     arch: ArchOption = Arch.SM90A.value,
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Worker processes.")] = 1,
-    tuning_candidates: Annotated[bool, typer.Option(
-        "--tuning-candidates", help="Also compile every plan `fa4gen tune` times, so a GPU machine "
-        "without the compiler can tune (FA4GEN_NO_COMPILE=1).")] = False,
+    tuning_candidates: Annotated[
+        bool,
+        typer.Option(
+            "--tuning-candidates",
+            help="Also compile every plan `fa4gen tune` times, so a GPU machine "
+            "without the compiler can tune (FA4GEN_NO_COMPILE=1).",
+        ),
+    ] = False,
+    no_compile: Annotated[
+        bool,
+        typer.Option(
+            "--no-compile",
+            help="Compile nothing: report each spec missing from the cache as failed "
+            "(or FA4GEN_NO_COMPILE=1), e.g. to check that a shipped cache covers every spec.",
+        ),
+    ] = False,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Compile every spec under PATHS for every arch into the cache; exit 1 if any failed."""
     arches = _split_arches(arch)
     root = _cache_root(ctx, cache_dir)
+    with _reporting_errors():  # what every job would fail on alike is one error, not a row per spec
+        for target in arches:
+            Arch.parse(target)  # unknown: an error here; reserved (sm_100a): a failed row per spec
+        KernelCache(root).close()  # FA4GEN_CACHE_SIZE_LIMIT, the root's usability and trust
+        toolchain()
     spec_files = collect_spec_files(paths, exclude=root)
     if not spec_files:
-        typer.echo(f"error: no spec files ({', '.join('*' + s for s in SPEC_SUFFIXES)}) under "
-                   f"{', '.join(map(str, paths))}", err=True)
+        typer.echo(
+            f"error: no spec files ({', '.join('*' + s for s in SPEC_SUFFIXES)}) under {', '.join(map(str, paths))}",
+            err=True,
+        )
         raise typer.Exit(1)
     if tuning_candidates:
         work = [job for spec_file in spec_files for target in arches for job in _candidate_jobs(spec_file, target)]
     else:
         work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
     started = time.perf_counter()
-    # settle hits and invalid specs here (milliseconds each); only misses go to worker processes
-    results = [warm_one(str(job.spec_file), job.arch, str(root), True, job.candidate) for job in work]
-    misses = [index for index, result in enumerate(results) if result is None]
-    if misses:
-        os.environ.setdefault("FA4GEN_LAZY_LOADER", "1")  # workers compile; they never load a kernel
-        compiled = _run_jobs([work[i] for i in misses], root, min(jobs, len(misses)))
-        for index, result in zip(misses, compiled):
-            results[index] = result
+    results = _warm_results(work, root, jobs, refuse=no_compile or _no_compile_default())
     _console().print(_warm_table(work, results))
     counts = {status: sum(r["status"] == status for r in results) for status in _STATUS_STYLES}
-    typer.echo(f"{counts['compiled']} compiled, {counts['cached']} cached, {counts['failed']} failed "
-               f"in {time.perf_counter() - started:.1f} s ({root})")
+    typer.echo(
+        f"{counts['compiled']} compiled, {counts['cached']} cached, {counts['failed']} failed "
+        f"in {time.perf_counter() - started:.1f} s ({root})"
+    )
     if counts["failed"]:
         raise typer.Exit(1)
 
 
+def _warm_results(work: list[WarmJob], root: Path, jobs: int, refuse: bool) -> list[dict[str, Any]]:
+    """One result per job: hits and invalid specs settled here (milliseconds each), misses compiled
+    in worker processes, or with ``refuse`` reported as failed."""
+    results = [warm_one(str(job.spec_file), job.arch, str(root), True, job.candidate) for job in work]
+    notes = [note for result in results if result is not None for note in result["warnings"]]
+    for note in dict.fromkeys(notes):  # each cache warning once
+        typer.echo(f"warning: {note}", err=True)
+    misses = [index for index, result in enumerate(results) if result is None]
+    if not misses:
+        return results
+    settled = len(work) - len(misses)
+    if refuse:
+        reason = f"CacheMiss: not in the cache, and compiling is disabled (--no-compile or {NO_COMPILE_ENV}=1)"
+        for index in misses:
+            results[index] = {"status": "failed", "seconds": 0.0, "error": reason}
+        typer.echo(f"{len(misses)} of {len(work)} not in the cache; compiling is disabled", err=True)
+        return results
+    workers = min(jobs, len(misses))
+    typer.echo(
+        f"{settled} of {len(work)} settled without compiling (cached or invalid); compiling "
+        f"{len(misses)} with {workers} worker{'s' if workers > 1 else ''}",
+        err=True,
+    )
+    os.environ.setdefault("FA4GEN_LAZY_LOADER", "1")  # workers compile; they never load a kernel
+    for index, result in zip(misses, _run_jobs([work[i] for i in misses], root, workers)):
+        results[index] = result
+    return results
+
+
 def main() -> None:
+    # fa4gen's logged warnings (e.g. an unusable cache index) as one "warning: ..." line each,
+    # like the cache's corruption warnings, instead of the logging module's bare fallback
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("fa4gen").addHandler(handler)
     app()
 
 

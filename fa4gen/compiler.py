@@ -61,8 +61,9 @@ def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     workspace = split_workspace_shape(plan, 1)
     if workspace is not None:
         slots = cute.sym_int32()
-        work = make_fake_compact_tensor(cutlass.Float32, (slots, *workspace[1:]), stride_order=(3, 2, 1, 0),
-                                        assumed_align=16)
+        work = make_fake_compact_tensor(
+            cutlass.Float32, (slots, *workspace[1:]), stride_order=(3, 2, 1, 0), assumed_align=16
+        )
         flags = make_fake_compact_tensor(cutlass.Int32, (slots, workspace[1]), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     num_ctas = cutlass.Int32(1)  # a run-time scalar: the SM count of the device it runs on
@@ -72,12 +73,25 @@ def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
         element = scalar_type[extra.dtype]
         if extra.is_tensor:  # compact row-major, sizes symbolic unless the spec fixes them
             shape = tuple(dim if isinstance(dim, int) else cute.sym_int32() for dim in extra.shape)
-            extras.append(make_fake_compact_tensor(element, shape, stride_order=tuple(reversed(range(len(shape)))),
-                                                   assumed_align=4))
+            extras.append(
+                make_fake_compact_tensor(
+                    element, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=4
+                )
+            )
         else:
             extras.append(element(0))
-    return [bshd(spec.head_dim), bshd(spec.head_dim), bshd(spec.dv), bshd(spec.dv), lse, work, flags, num_ctas,
-            *extras, stream]
+    return [
+        bshd(spec.head_dim),
+        bshd(spec.head_dim),
+        bshd(spec.dv),
+        bshd(spec.dv),
+        lse,
+        work,
+        flags,
+        num_ctas,
+        *extras,
+        stream,
+    ]
 
 
 def import_source(path: Path, module_name: str):

@@ -14,19 +14,17 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from fa4gen import __version__
-from fa4gen.planner import Plan
+from fa4gen._version import __version__
 from fa4gen.expr import escaped as _escaped
 from fa4gen.expr import render_cute
+from fa4gen.planner import Plan
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import dump_spec
 from fa4gen.variants import lower
 
-LOG2E = math.log2(math.e)
-
-# kernel class -> (module under fa4gen.kernels, template file)
+# kernel class -> (its module and its config's module under fa4gen.kernels, template file)
 KERNEL_TEMPLATES = {
-    "HopperAttentionForward": ("sm90_fwd", "sm90_fwd.py.jinja"),
+    "HopperAttentionForward": ("sm90.fwd", "sm90.config", "sm90_fwd.py.jinja"),
 }
 
 
@@ -54,6 +52,20 @@ def _comment(text: str) -> str:
     str.splitlines does not split on, so only escaped text is safe whatever the source."""
     lines = text.rstrip("\n").splitlines()
     return "\n".join(("#   " + _escaped(line)).rstrip() for line in lines)
+
+
+def _py_literal(value) -> str:
+    """A config value as Python source: numbers, booleans, None, and strings or tuples of strings
+    the config validated (escaped all the same)."""
+    if value is None or isinstance(value, (bool, int)):
+        return repr(value)
+    if isinstance(value, float):
+        return _float_literal(value)
+    if isinstance(value, str):
+        return ascii(value)
+    if isinstance(value, tuple) and all(isinstance(item, str) for item in value):
+        return "(" + "".join(f"{ascii(item)}, " for item in value) + ")"
+    raise ValueError(f"refusing to emit a config value of type {type(value).__name__}")
 
 
 def _py_string(text: str) -> str:
@@ -88,12 +100,13 @@ def _environment():
     env.filters["comment"] = _comment
     env.filters["float_literal"] = _float_literal
     env.filters["py_string"] = _py_string
+    env.filters["py_literal"] = _py_literal
     env.filters["identifier"] = _identifier
     return env
 
 
 def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") -> EmittedKernel:
-    kernel_module, template_name = KERNEL_TEMPLATES[plan.kernel]
+    kernel_module, config_module, template_name = KERNEL_TEMPLATES[plan.kernel]
     template = _environment().get_template(template_name)
     lowered = lower(spec)
     # aux tensors and scalars live on the kernel's run-time argument holder
@@ -103,17 +116,15 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         spec=spec,
         plan=plan,
         spec_yaml=dump_spec(spec.canonicalized()),
-        plan_text=plan.describe(),
         kernel_module=kernel_module,
+        config_module=config_module,
         softcap=spec.softcap,
         scale=spec.scale,
-        log2e=LOG2E,
         score_code=None if lowered.score is None else render_cute(lowered.score, names),
         score_text=None if lowered.score is None else lowered.score.text,
         mask_code=None if lowered.mask is None else render_cute(lowered.mask, names),
         mask_text=None if lowered.mask is None else lowered.mask.text,
         extras=lowered.extras,
-        chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
     )
     if not source.isascii():  # every user-derived part is a validated token or escaped text
         raise ValueError("emitted source is not ASCII: a spec value reached the template unescaped")

@@ -213,7 +213,9 @@ class _Checker:
 
     def visit_Subscript(self, node: ast.Subscript, depth: int) -> Node:
         if not isinstance(node.value, ast.Name) or node.value.id not in self.aux:
-            raise self.fail(node, f"only declared aux tensors can be indexed (declared: {', '.join(self.aux) or 'none'})")
+            raise self.fail(
+                node, f"only declared aux tensors can be indexed (declared: {', '.join(self.aux) or 'none'})"
+            )
         name, tensor = node.value.id, self.aux[node.value.id]
         items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if len(items) != tensor.ndim:
@@ -227,7 +229,6 @@ class _Checker:
             indices.append(index)
         self.uses.add(name)
         return Node("index", tensor.dtype, name, tuple(indices))
-
 
     def check_constant_index(self, item: ast.AST, name: str, tensor: AuxTensor, axis: int, index: Node) -> None:
         """A constant index is checked here: the kernel reads aux tensors without bounds checks."""
@@ -281,8 +282,12 @@ def _check_characters(text: str) -> None:
     for part in code:
         if not part.isascii():
             bad = next(c for c in part if not c.isascii())
-            raise ExpressionError("", None, f"non-ASCII character {bad!r} (U+{ord(bad):04X}) in "
-                                  f"'{_printable(part)}': expressions are ASCII outside comments")
+            raise ExpressionError(
+                "",
+                None,
+                f"non-ASCII character {bad!r} (U+{ord(bad):04X}) in "
+                f"'{_printable(part)}': expressions are ASCII outside comments",
+            )
 
 
 def escaped(text: str) -> str:
@@ -426,8 +431,7 @@ def evaluate_torch(expr: Expression, env: Mapping[str, Any]):
 
 
 # ----------------------------------------------------------------------------- CuTe DSL
-_CUTE_FUNCTIONS = {"exp": "cute.math.exp", "exp2": "cute.math.exp2", "log": "cute.math.log",
-                   "tanh": "cute.math.tanh"}
+_CUTE_FUNCTIONS = {"exp": "cute.math.exp", "exp2": "cute.math.exp2", "log": "cute.math.log", "tanh": "cute.math.tanh"}
 
 
 def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str:

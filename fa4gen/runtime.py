@@ -15,10 +15,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
-from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
 
 RUNTIME_LIB_ENV = "FA4GEN_CUTE_RUNTIME_LIB"  # explicit path to libcute_dsl_runtime.so
@@ -80,8 +80,16 @@ class AttentionKernel:
     the spec asks, lse (B, Hq, Sq) in float32 (natural log; -inf for rows that see no key).
     """
 
-    def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None,
-                 splits: tuple[SplitKernel, ...] = ()):
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        plan: Plan,
+        function: Any,
+        *,
+        key: str = "",
+        path: Path | None = None,
+        splits: tuple[SplitKernel, ...] = (),
+    ):
         self.spec = spec
         self.plan = plan
         self.key = key
@@ -113,9 +121,25 @@ class AttentionKernel:
         kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
         return kernel._launch(q, k, v, out=out, lse=lse, **variant)
 
-    def _launch(self, q, k, v, *, out=None, lse=None, sinks=None, alibi_slopes=None, rel_bias=None,
-                prefix_lengths=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                aux=None, block_mask=None):
+    def _launch(
+        self,
+        q,
+        k,
+        v,
+        *,
+        out=None,
+        lse=None,
+        sinks=None,
+        alibi_slopes=None,
+        rel_bias=None,
+        prefix_lengths=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        aux=None,
+        block_mask=None,
+    ):
         """Validate, then launch this kernel (see ``__call__``)."""
         import torch
 
@@ -140,10 +164,22 @@ class AttentionKernel:
                 lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             else:
                 _check_output("lse", lse, lse_shape, torch.float32, q.device)
-        given = {"sinks": sinks, "alibi_slopes": alibi_slopes, "rel_bias": rel_bias, "prefix_lengths": prefix_lengths,
-                 "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-        if varlen and all(isinstance(t, torch.Tensor) and t.ndim == 1 and t.dtype == torch.int32
-                          and t.shape == cu_seqlens_q.shape and t.shape[0] >= 2 for t in (cu_seqlens_q, cu_seqlens_k)):
+        given = {
+            "sinks": sinks,
+            "alibi_slopes": alibi_slopes,
+            "rel_bias": rel_bias,
+            "prefix_lengths": prefix_lengths,
+            "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k,
+        }
+        if varlen and all(
+            isinstance(t, torch.Tensor)
+            and t.ndim == 1
+            and t.dtype == torch.int32
+            and t.shape == cu_seqlens_q.shape
+            and t.shape[0] >= 2
+            for t in (cu_seqlens_q, cu_seqlens_k)
+        ):
             # (malformed cu_seqlens build nothing: variant_arguments names what is wrong)
             given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
@@ -153,8 +189,9 @@ class AttentionKernel:
                 block_mask = self._cached_block_mask(q, k, aux)
             check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
             given.update(block_count=block_mask.count, block_index=block_mask.index, block_full=block_mask.full)
-        extras = variant_arguments(self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k),
-                                   lowered=self._lowered)
+        extras = variant_arguments(
+            self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k), lowered=self._lowered
+        )
         if out.numel() > 0:
             num_ctas = multiprocessor_count(q.device)
             work, flags = split_workspace(self.plan, q.device, num_ctas)
@@ -169,7 +206,8 @@ class AttentionKernel:
         unmodified tensors."""
         key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k)) + (total,)
         if self._doc_tables[0] != key:
-            tables = document_tables(self.spec, self.plan.tile_m, self.plan.tile_n, cu_seqlens_q, cu_seqlens_k, total)
+            config = self.plan.config
+            tables = document_tables(self.spec, config.tile_m, config.tile_n, cu_seqlens_q, cu_seqlens_k, total)
             self._doc_tables = (key, tables)
         return self._doc_tables[1]
 
@@ -185,8 +223,14 @@ class AttentionKernel:
         mask reads (same tensor, unmodified: torch's version counter) stay the same."""
         uses = self._lowered.mask.uses
         values = {name: value for name, value in (aux or {}).items() if name in uses}
-        key = (q.shape[0], q.shape[2], q.shape[1], k.shape[1], str(q.device),
-               tuple(sorted((n, _identity(v)) for n, v in values.items())))
+        key = (
+            q.shape[0],
+            q.shape[2],
+            q.shape[1],
+            k.shape[1],
+            str(q.device),
+            tuple(sorted((n, _identity(v)) for n, v in values.items())),
+        )
         cache = self._block_masks
         if key not in cache:
             if len(cache) >= BLOCK_MASK_CACHE_SIZE:
@@ -248,8 +292,20 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
     # the shift from row to key position (masking.row_ranges), with no load per row
     single = (first_doc == last_doc).long()
     shift = cu_k[first_doc + 1] - cu_q[first_doc + 1]
-    tiles = torch.stack((order, start[first[order]], end[first[order]], start[last[order]], end[last[order]],
-                         single, shift, cu_k[first_doc], cu_k[first_doc + 1]), dim=1)
+    tiles = torch.stack(
+        (
+            order,
+            start[first[order]],
+            end[first[order]],
+            start[last[order]],
+            end[last[order]],
+            single,
+            shift,
+            cu_k[first_doc],
+            cu_k[first_doc + 1],
+        ),
+        dim=1,
+    )
     return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), tiles.to(torch.int32).contiguous()
 
 
@@ -302,8 +358,10 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     capturing = torch.cuda.is_current_stream_capturing()
     key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
     if key not in _SPLIT_WORKSPACES:
-        _SPLIT_WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
-                                  torch.zeros(shape[:2], dtype=torch.int32, device=device))
+        _SPLIT_WORKSPACES[key] = (
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.zeros(shape[:2], dtype=torch.int32, device=device),
+        )
     elif capturing:
         _SPLIT_WORKSPACES[key][1].zero_()
     return _SPLIT_WORKSPACES[key]
@@ -388,8 +446,9 @@ def _packed_as_batch(name: str, t: Any, check: bool = True):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if check and t.dim() != 3:
-        raise ValueError(f"{name} must be packed as (total_tokens, heads, head_dim) for a document mask, "
-                         f"got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be packed as (total_tokens, heads, head_dim) for a document mask, got shape {tuple(t.shape)}"
+        )
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
@@ -416,8 +475,10 @@ def _check_extra_tensor(extra: Extra, t: Any, sizes: dict[str, int], device: Any
         raise ValueError(f"{extra.name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
     shape = tuple(_resolve_dim(d, sizes, extra.name) for d in extra.shape)
     if t.dtype != dtype or tuple(t.shape) != shape:
-        raise ValueError(f"{extra.name} must be a {dtype} tensor of shape {shape} "
-                         f"({', '.join(map(str, extra.shape))}), got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{extra.name} must be a {dtype} tensor of shape {shape} "
+            f"({', '.join(map(str, extra.shape))}), got {t.dtype} {tuple(t.shape)}"
+        )
     if t.device != device:
         raise ValueError(f"{extra.name} is on {t.device}, the inputs are on {device}")
     if not t.is_contiguous():
@@ -434,8 +495,15 @@ def _check_scalar(extra: Extra, value: Any):
     return float(value)
 
 
-def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dict[str, Any] | None,
-                      max_seqlens: tuple = (None, None), lowered=None) -> list[Any]:
+def variant_arguments(
+    spec: AttentionSpec,
+    q,
+    k,
+    given: dict[str, Any],
+    aux: dict[str, Any] | None,
+    max_seqlens: tuple = (None, None),
+    lowered=None,
+) -> list[Any]:
     """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch, as are
     the call inputs they derive from."""
     lowered = lowered or lower(spec)
@@ -451,8 +519,10 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     declared = {e.name for e in extras if e.role in ("aux", "scalar")}
     unknown = set(aux) - declared
     if unknown:
-        raise ValueError(f"aux has {', '.join(sorted(unknown))}, which the spec does not declare "
-                         f"(declared: {', '.join(sorted(declared)) or 'none'})")
+        raise ValueError(
+            f"aux has {', '.join(sorted(unknown))}, which the spec does not declare "
+            f"(declared: {', '.join(sorted(declared)) or 'none'})"
+        )
     cu_q = given.get("cu_seqlens_q")
     docs = cu_q.shape[0] if getattr(cu_q, "ndim", 0) == 1 else 0
     sizes = {"B": q.shape[0], "Hq": q.shape[2], "Hkv": k.shape[2], "Sq": q.shape[1], "Sk": k.shape[1], "docs+1": docs}
@@ -460,13 +530,15 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
     if index is not None:  # checked against the plan by check_block_mask; here only named
         sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))
     tiles = given.get("doc_tiles")
-    if tiles is not None:  # built by the callable from the plan's tile_m, like the block mask
+    if tiles is not None:  # built by the callable from the plan's config.tile_m, like the block mask
         sizes["M"] = tiles.shape[0]
     values = []
     for extra in (*lowered.inputs, *extras):  # the inputs first: the kernel's tables come from them
         if extra.role == "scalar":
             if extra.name not in aux:
-                raise ValueError(f"aux[{extra.name!r}] is missing: the spec declares scalar {extra.name} ({extra.dtype})")
+                raise ValueError(
+                    f"aux[{extra.name!r}] is missing: the spec declares scalar {extra.name} ({extra.dtype})"
+                )
             values.append(_check_scalar(extra, aux[extra.name]))
             continue
         value = aux.get(extra.name) if extra.role == "aux" else given.get(extra.role)
@@ -474,8 +546,10 @@ def variant_arguments(spec: AttentionSpec, q, k, given: dict[str, Any], aux: dic
             value = _standard_slopes(q.shape[2], str(q.device))
         if value is None:
             where = f"aux[{extra.name!r}]" if extra.role == "aux" else f"{extra.name}="
-            raise ValueError(f"{where} is missing: the spec ({spec.summary()}) needs a {extra.dtype} tensor of "
-                             f"shape ({', '.join(map(str, extra.shape))})")
+            raise ValueError(
+                f"{where} is missing: the spec ({spec.summary()}) needs a {extra.dtype} tensor of "
+                f"shape ({', '.join(map(str, extra.shape))})"
+            )
         if extra.role == "cu_seqlens_q" and docs < 2:
             raise ValueError("cu_seqlens_q needs at least 2 entries (0 and the total)")
         _check_extra_tensor(extra, value, sizes, q.device)

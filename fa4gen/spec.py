@@ -45,8 +45,29 @@ def _check_head_dim(name: str, value: int) -> int:
 SIZE_NAMES = ("B", "Hq", "Hkv", "Sq", "Sk")  # symbolic dims an aux tensor shape may use
 MAX_AUX_DIMS = 4
 MAX_RELATIVE_DISTANCE = 65536
-RESERVED_NAMES = frozenset({"score", "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "alibi_slopes", "rel_bias",
-                            "where", "min", "max", "abs", "exp", "exp2", "log", "tanh", "True", "False"})
+RESERVED_NAMES = frozenset(
+    {
+        "score",
+        "b",
+        "h",
+        "q_idx",
+        "kv_idx",
+        "seqlen_q",
+        "seqlen_k",
+        "alibi_slopes",
+        "rel_bias",
+        "where",
+        "min",
+        "max",
+        "abs",
+        "exp",
+        "exp2",
+        "log",
+        "tanh",
+        "True",
+        "False",
+    }
+)
 
 
 class _Part(BaseModel):
@@ -156,8 +177,10 @@ def _check_declared_name(name: str) -> None:
         shown = name.encode("ascii", "backslashreplace").decode()[:80]
         raise ValueError(f"aux/scalar name '{shown}' is not allowed: names are ASCII letters, digits and _{hint}")
     if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name in RESERVED_NAMES:
-        raise ValueError(f"aux/scalar name {name[:80]!r} is not allowed: use an ASCII identifier that is not a Python "
-                         f"keyword, not one of {', '.join(sorted(RESERVED_NAMES))}, and does not start with _")
+        raise ValueError(
+            f"aux/scalar name {name[:80]!r} is not allowed: use an ASCII identifier that is not a Python "
+            f"keyword, not one of {', '.join(sorted(RESERVED_NAMES))}, and does not start with _"
+        )
 
 
 MaskField = Annotated[
@@ -189,9 +212,7 @@ class AttentionSpec(BaseModel):
     head_dim_v: int | None = Field(
         None, description="Head dimension of v and o (default: head_dim): multiple of 8 in 8..256."
     )
-    qhead_per_kvhead: int = Field(
-        1, description="Query heads per key/value head: 1 is MHA, >1 is GQA/MQA."
-    )
+    qhead_per_kvhead: int = Field(1, description="Query heads per key/value head: 1 is MHA, >1 is GQA/MQA.")
     causal: bool = Field(False, description="Each query sees only keys at or before its position.")
     window_left: int | None = Field(
         None, description="Sliding window: keys at most this far before the query (None: unbounded)."
@@ -207,18 +228,24 @@ class AttentionSpec(BaseModel):
     )
     return_lse: bool = Field(False, description="Also return the log-sum-exp per query row (B, Hq, Sq).")
     mask: MaskField | None = Field(
-        None, description="none | causal | sliding_window | chunked | prefix_lm | document | expression "
-        "(a string for kinds without parameters, else a mapping with `kind`)."
+        None,
+        description="none | causal | sliding_window | chunked | prefix_lm | document | expression "
+        "(a string for kinds without parameters, else a mapping with `kind`).",
     )
     score_mod: ScoreModField | None = Field(
-        None, description="softcap | alibi | relative_bias | expression, applied to the scaled score "
-        "(before softcap when both are given)."
+        None,
+        description="softcap | alibi | relative_bias | expression, applied to the scaled score "
+        "(before softcap when both are given).",
     )
-    sinks: bool = Field(False, description="Learnable per-head sink logits (float32 (Hq,), passed as sinks=): "
-                        "each row's softmax also counts exp(sink), which takes no value.")
+    sinks: bool = Field(
+        False,
+        description="Learnable per-head sink logits (float32 (Hq,), passed as sinks=): "
+        "each row's softmax also counts exp(sink), which takes no value.",
+    )
     aux: dict[str, AuxTensorSpec] = Field(default_factory=dict, description="Tensors expressions read, by name.")
     scalars: dict[str, Literal["float32", "int32"]] = Field(
-        default_factory=dict, description="Scalars expressions read, by name (passed as aux={name: number}).")
+        default_factory=dict, description="Scalars expressions read, by name (passed as aux={name: number})."
+    )
 
     @field_validator("mask", "score_mod", mode="before")
     @classmethod
@@ -309,7 +336,9 @@ class AttentionSpec(BaseModel):
     @classmethod
     def _scale(cls, value: float | None) -> float | None:
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"softmax_scale={value} is not allowed: use a finite number > 0, or null for 1/sqrt(head_dim)")
+            raise ValueError(
+                f"softmax_scale={value} is not allowed: use a finite number > 0, or null for 1/sqrt(head_dim)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -341,8 +370,10 @@ class AttentionSpec(BaseModel):
         """Which mask kinds combine with the flat fields, and names the expressions may use."""
         kind = self.mask.kind if self.mask is not None else None
         if kind == "prefix_lm" and (self.causal or self.window_left is not None or self.window_right is not None):
-            raise ValueError("mask: prefix_lm already fixes the visible keys (prefix bidirectional, causal after): "
-                             "drop causal / window_left / window_right")
+            raise ValueError(
+                "mask: prefix_lm already fixes the visible keys (prefix bidirectional, causal after): "
+                "drop causal / window_left / window_right"
+            )
         if kind == "chunked" and self.window_right not in (None, 0):
             raise ValueError(f"mask: chunked is causal within each chunk: window_right={self.window_right} conflicts")
         for name in (*self.aux, *self.scalars):
@@ -364,7 +395,11 @@ class AttentionSpec(BaseModel):
         update = {}
         if lowered.mask is not None and spec.mask.expr != lowered.mask.text:
             update["mask"] = {"kind": "expression", "expr": lowered.mask.text}
-        if lowered.score is not None and spec.score_mod.kind == "expression" and spec.score_mod.expr != lowered.score.text:
+        if (
+            lowered.score is not None
+            and spec.score_mod.kind == "expression"
+            and spec.score_mod.expr != lowered.score.text
+        ):
             update["score_mod"] = {"kind": "expression", "expr": lowered.score.text}
         return handler({**spec.model_dump(), **update}) if update else spec
 
@@ -431,8 +466,11 @@ class AttentionSpec(BaseModel):
             detail = {"chunked": lambda m: f"chunked{m.size}", "expression": lambda m: "mask-expr"}
             parts.append(detail.get(self.mask.kind, lambda m: m.kind)(self.mask))
         if self.score_mod is not None:
-            detail = {"relative_bias": lambda m: f"relbias{m.max_distance}", "expression": lambda m: "mod-expr",
-                      "alibi": lambda m: "alibi" if m.slopes == "standard" else "alibi-tensor"}
+            detail = {
+                "relative_bias": lambda m: f"relbias{m.max_distance}",
+                "expression": lambda m: "mod-expr",
+                "alibi": lambda m: "alibi" if m.slopes == "standard" else "alibi-tensor",
+            }
             parts.append(detail[self.score_mod.kind](self.score_mod))
         if self.softcap is not None:
             parts.append(f"softcap{self.softcap:g}")

@@ -47,8 +47,9 @@ def visible_keys(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None,
     return mask
 
 
-def visible_mask(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None, args=None, env=None,
-                 batch: int = 1, heads: int = 1):
+def visible_mask(
+    spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None, args=None, env=None, batch: int = 1, heads: int = 1
+):
     """visible_keys AND the spec's expression mask (evaluated with torch), broadcastable to
     (batch, heads, Sq, Sk)."""
     mask = visible_keys(spec, seqlen_q, seqlen_k, device=device, args=args)
@@ -65,12 +66,15 @@ def _expression_env(spec: AttentionSpec, scores, shape, device, args):
     import torch
 
     batch, heads, seqlen_q, seqlen_k = shape
-    env = {"score": scores,
-           "b": torch.arange(batch, device=device).view(-1, 1, 1, 1),
-           "h": torch.arange(heads, device=device).view(1, -1, 1, 1),
-           "q_idx": torch.arange(seqlen_q, device=device).view(1, 1, -1, 1),
-           "kv_idx": torch.arange(seqlen_k, device=device).view(1, 1, 1, -1),
-           "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    env = {
+        "score": scores,
+        "b": torch.arange(batch, device=device).view(-1, 1, 1, 1),
+        "h": torch.arange(heads, device=device).view(1, -1, 1, 1),
+        "q_idx": torch.arange(seqlen_q, device=device).view(1, 1, -1, 1),
+        "kv_idx": torch.arange(seqlen_k, device=device).view(1, 1, 1, -1),
+        "seqlen_q": seqlen_q,
+        "seqlen_k": seqlen_k,
+    }
     env.update({name: value for name, value in args.items() if name != "aux"})
     env.update(args.get("aux", {}))
     if spec.score_mod is not None and spec.score_mod.kind == "alibi" and args.get("alibi_slopes") is None:
@@ -117,8 +121,9 @@ def _reference(spec, q, k, v, upcast, args, independent):
     env = _expression_env(spec, scores, tuple(scores.shape), scores.device, args)
     if lowered.score is not None:
         builtin = spec.score_mod.kind in ("alibi", "relative_bias")
-        modified = _handwritten_score_mod(spec, scores, env) if independent and builtin else \
-            evaluate_torch(lowered.score, env)
+        modified = (
+            _handwritten_score_mod(spec, scores, env) if independent and builtin else evaluate_torch(lowered.score, env)
+        )
         scores = modified.to(scores.dtype) if not upcast else modified.float()
     if spec.softcap is not None:
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
@@ -167,8 +172,9 @@ def _visible_pairs(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> int:
     return total
 
 
-def assert_close_to_reference(spec: AttentionSpec, q, k, v, out, lse=None, *, args=None,
-                              independent: bool = False) -> dict:
+def assert_close_to_reference(
+    spec: AttentionSpec, q, k, v, out, lse=None, *, args=None, independent: bool = False
+) -> dict:
     """Raise AssertionError with the errors if ``out`` (and ``lse``) miss the bound; return them."""
     import torch
 

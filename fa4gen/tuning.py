@@ -6,79 +6,30 @@ on a few shapes on the current GPU, and records the fastest in the cache directo
 default: a closer win is the noise of a shared GPU). ``fa4gen.compile`` then uses the recorded
 plan on a GPU of that name in place of the planner's default (calls in a length range of
 ``planner.seqlen_splits`` still run that range's plan); everywhere else (other GPUs, CPU-only
-cross-compiles, ``fa4gen warm``) the planner's table applies. Records are small JSON files
-written atomically; a record that no longer parses as a Plan (an older fa4gen) is ignored with
-a warning.
+cross-compiles, ``fa4gen warm``) the planner's table applies.
+
+Records: fa4gen.tuned (where they live and which are ignored).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 import statistics
-import tempfile
-import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from fa4gen.arch import Arch, UnsupportedArchError
-from fa4gen.cache import make_key
 from fa4gen.planner import Plan, SeqlenSplit, candidates, seqlen_splits
 from fa4gen.spec import AttentionSpec
+from fa4gen.tuned import current_device_name, record_plan, tuned_plan  # noqa: F401 (tuning's API)
 
-TUNED_DIR = "tuned"
 DEFAULT_SEQLENS = (2048, 8192)
 DEFAULT_ROUNDS = 4  # even: see tune()
 # A candidate replaces the planner's default only when its score beats the default's by more
-# than this share: on the shared H200 (session 25, BENCHMARKS.md), three of six tune calls (d256
-# causal and d128 causal, three each) recorded a candidate 0.4-1.7% ahead of the default, a
-# different one each time, and each of those read 0.955-0.988x of the default in another call
+# than this share: closer winners on the shared H200 did not repeat (decision tune-min-gain)
 MIN_GAIN = 0.02
-
-
-def current_device_name() -> str | None:
-    """Name of the current CUDA device (host-side query), or None without one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(torch.cuda.current_device())
-
-
-def _record_path(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or "device"
-    return Path(cache_root) / TUNED_DIR / arch.value / slug / f"{make_key({'spec': spec.canonical()})}.json"
-
-
-def tuned_plan(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str) -> Plan | None:
-    """The plan recorded for (spec, arch, device), or None."""
-    path = _record_path(cache_root, spec, arch, device)
-    try:
-        record = json.loads(path.read_text())
-        plan = Plan.model_validate(record["plan"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        warnings.warn(f"ignoring the tuned plan in {path}: {exc}", RuntimeWarning, stacklevel=2)
-        return None
-    return plan if plan.arch == arch.value else None
-
-
-def record_plan(cache_root: Path, spec: AttentionSpec, arch: Arch, device: str, plan: Plan,
-                measurements: list[dict]) -> Path:
-    path = _record_path(cache_root, spec, arch, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"spec": spec.canonical(), "arch": arch.value, "device": device, "plan": plan.model_dump(),
-              "measurements": measurements, "recorded": time.time()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-    return path
 
 
 @dataclass
@@ -92,21 +43,22 @@ class TuneResult:
 
 
 def _changes(base: Plan, other: Plan) -> str:
-    skip = {"reasons", "smem_bytes"}
-    diff = [f"{k}={v}" for k, v in other.model_dump(exclude=skip).items() if base.model_dump()[k] != v]
+    """The config fields ``other`` sets otherwise than ``base`` (reasons left out)."""
+    before = base.config.model_dump()
+    diff = [f"{k}={v}" for k, v in other.config.model_dump().items() if before[k] != v]
     return ", ".join(diff) or "planner default"
 
 
 def gpu_measure(spec: AttentionSpec, plan: Plan, seqlens: tuple[int, ...], cache_dir: Path | None) -> list[float]:
     """TFLOP/s of ``plan`` on the current GPU at each seqlen (16k tokens, model width 2048)."""
-    import fa4gen
-    from fa4gen import bench
+    from fa4gen.api import compile as compile_kernel
+    from fa4gen.bench import make_case, make_inputs, time_ms
 
-    kernel = fa4gen.compile(spec, cache_dir=cache_dir, kernel_plan=plan)
+    kernel = compile_kernel(spec, cache_dir=cache_dir, kernel_plan=plan)
     results = []
     for seqlen in seqlens:
-        case = bench.make_case(spec, seqlen)
-        results.append(case.flops() / bench.time_ms(kernel, bench.make_inputs(case)) / 1e9)
+        case = make_case(spec, seqlen)
+        results.append(case.flops() / time_ms(kernel, make_inputs(case)) / 1e9)
     return results
 
 
@@ -150,9 +102,12 @@ def tune(
     for split in splits:
         covered = [str(seqlen) for seqlen in seqlens if split.covers(seqlen)]
         if covered:
-            warnings.warn(f"fa4gen.compile runs the planner's {split.label}-sequence plan for {split.rows()}, "
-                          f"whatever is tuned: time lengths outside that range, not {', '.join(covered)}",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"fa4gen.compile runs the planner's {split.label}-sequence plan for {split.rows()}, "
+                f"whatever is tuned: time lengths outside that range, not {', '.join(covered)}",
+                UserWarning,
+                stacklevel=2,
+            )
     # rounds alternate forward and backward through the candidates, and each candidate scores
     # its mean: a shared GPU drifts (clocks, neighbours) over a tuning run, and with an even
     # number of rounds every candidate's average position in time is the same, so linear drift
@@ -166,8 +121,14 @@ def tune(
     for plan, runs in zip(plans, samples):
         tflops = [statistics.fmean(run[i] for run in runs) for i in range(len(seqlens))]
         score = math.exp(sum(map(math.log, tflops)) / len(tflops))
-        rows.append({"changes": _changes(plans[0], plan), "tflops": dict(zip(map(str, seqlens), tflops)),
-                     "score": score, "rounds": len(runs)})
+        rows.append(
+            {
+                "changes": _changes(plans[0], plan),
+                "tflops": dict(zip(map(str, seqlens), tflops)),
+                "score": score,
+                "rounds": len(runs),
+            }
+        )
         log(f"{rows[-1]['changes']:48} " + " ".join(f"S={s}: {t:.0f}" for s, t in zip(seqlens, tflops)))
     fastest = max(range(len(rows)), key=lambda i: rows[i]["score"])
     chosen = fastest if rows[fastest]["score"] > rows[0]["score"] * (1.0 + min_gain) else 0

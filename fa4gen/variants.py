@@ -27,9 +27,21 @@ class Extra:
     the callable derives kernel arguments from (``Lowered.inputs``)."""
 
     name: str  # keyword of the call (aux tensors and scalars: their key in aux={...})
-    role: Literal["sinks", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k", "doc_key_ranges", "doc_tiles",
-                  "block_count", "block_index",
-                  "block_full", "alibi_slopes", "rel_bias", "aux", "scalar"]
+    role: Literal[
+        "sinks",
+        "prefix_lengths",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "doc_key_ranges",
+        "doc_tiles",
+        "block_count",
+        "block_index",
+        "block_full",
+        "alibi_slopes",
+        "rel_bias",
+        "aux",
+        "scalar",
+    ]
     dtype: Literal["float32", "int32"]
     shape: tuple[Dim, ...] = ()  # () for a scalar
 
@@ -82,27 +94,35 @@ def lower(spec: AttentionSpec) -> Lowered:
     if spec.mask_kind == "prefix_lm":
         extras.append(Extra("prefix_lengths", "prefix_lengths", "int32", ("B",)))
     if spec.mask_kind == "document":
-        inputs += [Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
-                   Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",))]
+        inputs += [
+            Extra("cu_seqlens_q", "cu_seqlens_q", "int32", ("docs+1",)),
+            Extra("cu_seqlens_k", "cu_seqlens_k", "int32", ("docs+1",)),
+        ]
         # derived from cu_seqlens by the callable (fa4gen.runtime.document_tables): every packed
         # query row's [start, end) of packed keys, document and causal / window bounds applied
         # (one load per row, no dependent loads), and the query tiles ranked by work, most first
         # (the persistent schedule's order), each with its first and last rows' key ranges and, for
         # a tile inside one document, that document's bounds
-        extras += [Extra("doc_key_ranges", "doc_key_ranges", "int32", ("Sq", 2)),
-                   Extra("doc_tiles", "doc_tiles", "int32", ("M", 9))]
+        extras += [
+            Extra("doc_key_ranges", "doc_key_ranges", "int32", ("Sq", 2)),
+            Extra("doc_tiles", "doc_tiles", "int32", ("M", 9)),
+        ]
     if spec.mask_kind == "expression":  # filled by fa4gen.blockmask, not by the caller
-        extras += [Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
-                   Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),
-                   Extra("block_full", "block_full", "int32", ("mask_B", "mask_H", "M", "N"))]
+        extras += [
+            Extra("block_count", "block_count", "int32", ("mask_B", "mask_H", "M")),
+            Extra("block_index", "block_index", "int32", ("mask_B", "mask_H", "M", "N")),
+            Extra("block_full", "block_full", "int32", ("mask_B", "mask_H", "M", "N")),
+        ]
     score_text, builtin = _builtin_score(spec)
     extras += builtin
     # sorted by name: the canonical spec (and so the cache key) does not keep declaration order
     extras += [Extra(name, "aux", aux.dtype, tuple(aux.shape)) for name, aux in sorted(spec.aux.items())]
     extras += [Extra(name, "scalar", dtype) for name, dtype in sorted(spec.scalars.items())]
-    tensors = {e.name: AuxTensor(_KIND[e.dtype], len(e.shape), tuple(d if isinstance(d, int) else None for d in e.shape))
-               for e in extras
-               if e.role in ("aux", "alibi_slopes", "rel_bias")}
+    tensors = {
+        e.name: AuxTensor(_KIND[e.dtype], len(e.shape), tuple(d if isinstance(d, int) else None for d in e.shape))
+        for e in extras
+        if e.role in ("aux", "alibi_slopes", "rel_bias")
+    }
     scalars = {e.name: _KIND[e.dtype] for e in extras if e.role == "scalar"}
     score = mask = None
     if score_text is not None:

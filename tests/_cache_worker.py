@@ -1,11 +1,13 @@
 """Helper process for tests/test_cache.py: get_or_build some keys, print one JSON line.
 
     python tests/_cache_worker.py ROOT KEY [KEY ...] [--log F] [--sleep S] [--started F]
-                                  [--ready F --go F] [--no-compile]
+                                  [--ready F --go F] [--no-compile] [--held F --release F]
 
 The fake build appends "<pid>\\n" to --log, writes kernel.so (random bytes, so two builds can be
 told apart), touches --started, sleeps --sleep seconds, then writes its last file. With --ready
 and --go the process signals that it is up and waits for the go file, so many workers race.
+With --held and --release it keeps its entries pinned (as a process loading them does), touches
+the held file, and waits for the release file before it reads them.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--ready")
     parser.add_argument("--go")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--held")
+    parser.add_argument("--release")
     args = parser.parse_args()
 
     cache = KernelCache(args.root)
@@ -71,17 +75,30 @@ def main() -> None:
         Path(args.ready).touch()
     if args.go:
         wait_for(args.go)
-    results = []
-    for key in args.keys:
-        try:
-            entry, built = cache.get_or_build(
-                key, {"name": "worker"}, build, no_compile=args.no_compile, miss_message="miss"
-            )
-        except CacheMiss:
-            results.append({"key": key, "hit": False})
-            continue
-        digest = hashlib.sha256(entry.file("kernel.so").read_bytes()).hexdigest()
-        results.append({"key": key, "hit": not built, "built": built, "digest": digest})
+    with cache.pinned():
+        found = []
+        for key in args.keys:
+            try:
+                found.append(
+                    (
+                        key,
+                        *cache.get_or_build(
+                            key, {"name": "worker"}, build, no_compile=args.no_compile, miss_message="miss"
+                        ),
+                    )
+                )
+            except CacheMiss:
+                found.append((key, None, False))
+        if args.held:
+            Path(args.held).touch()
+            wait_for(args.release)
+        results = []
+        for key, entry, built in found:
+            if entry is None:
+                results.append({"key": key, "hit": False})
+                continue
+            digest = hashlib.sha256(entry.file("kernel.so").read_bytes()).hexdigest()
+            results.append({"key": key, "hit": not built, "built": built, "digest": digest})
     print(json.dumps(results), flush=True)
 
 

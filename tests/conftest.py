@@ -25,8 +25,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory):
     """Every spec in specs/ cross-compiled for sm_90a into one cache (shared by the CPU tests)."""
-    import fa4gen
     from gpu_cases import spec_files
+
+    import fa4gen
 
     root = tmp_path_factory.mktemp("fa4gen-cache")
     results = {}

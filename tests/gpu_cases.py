@@ -14,8 +14,16 @@ SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 
 # (batch, seqlen_q, seqlen_k): 1, ragged tiles (17, 1000, 4097), Sq != Sk both ways
 # (2, 777, 1280): Sk fills whole key tiles of 64, 80 and 128 (a first key tile without a bound)
-SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (3, 4097, 4097), (1, 17, 1000), (3, 1000, 17), (1, 1, 4097),
-          (2, 777, 1280)]
+SHAPES = [
+    (1, 1, 1),
+    (3, 17, 17),
+    (1, 1000, 1000),
+    (3, 4097, 4097),
+    (1, 17, 1000),
+    (3, 1000, 17),
+    (1, 1, 4097),
+    (2, 777, 1280),
+]
 
 
 def spec_files() -> list[Path]:
@@ -38,28 +46,38 @@ def variant_specs() -> dict[str, AttentionSpec]:
     """Variants beyond specs/ that the GPU tests need: boundaries the model configs never reach
     at test sizes (small chunks), combinations, and masks that leave rows without any key."""
     return {
-        "chunked-256+lse": AttentionSpec(head_dim=64, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256},
-                                         return_lse=True),
+        "chunked-256+lse": AttentionSpec(
+            head_dim=64, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256}, return_lse=True
+        ),
         "documents-bidirectional-sinks+lse": AttentionSpec(head_dim=128, mask="document", sinks=True, return_lse=True),
         "window-relbias-softcap+lse": AttentionSpec(
-            head_dim=128, causal=True, window_left=300, softcap=20.0, return_lse=True,
-            score_mod={"kind": "relative_bias", "max_distance": 64}),
+            head_dim=128,
+            causal=True,
+            window_left=300,
+            softcap=20.0,
+            return_lse=True,
+            score_mod={"kind": "relative_bias", "max_distance": 64},
+        ),
         "expression-not-or+lse": AttentionSpec(
-            head_dim=128, mask={"kind": "expression", "expr": "not (kv_idx > q_idx) and not (q_idx - kv_idx >= 300) "
-                                                              "or kv_idx == 0"}, return_lse=True),
+            head_dim=128,
+            mask={"kind": "expression", "expr": "not (kv_idx > q_idx) and not (q_idx - kv_idx >= 300) or kv_idx == 0"},
+            return_lse=True,
+        ),
         # d256: short launches run 64-key tiles, long ones the table's 80-key tiles
         "d256-causal-gqa2+lse": AttentionSpec(head_dim=256, causal=True, qhead_per_kvhead=2, return_lse=True),
         # d64 causal: short launches run 4 consumer warpgroups (256-row tiles); specs/ has d64
         # causal only with windows, which keep 2 or 3
         "d64-causal-gqa2+lse": AttentionSpec(head_dim=64, causal=True, qhead_per_kvhead=2, return_lse=True),
-        # d128 without a mask chains its query tiles (Plan.chain_query_tiles) unless it returns
+        # d128 without a mask chains its query tiles (config.chain_query_tiles) unless it returns
         # the LSE: no spec in specs/ is one
         "dense-gqa2": AttentionSpec(head_dim=128, qhead_per_kvhead=2),
         "dense-gqa2+lse": AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True),
-        "empty-rows+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
-                                        return_lse=True),
-        "empty-rows-sinks+lse": AttentionSpec(head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"},
-                                              sinks=True, return_lse=True),
+        "empty-rows+lse": AttentionSpec(
+            head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"}, return_lse=True
+        ),
+        "empty-rows-sinks+lse": AttentionSpec(
+            head_dim=64, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"}, sinks=True, return_lse=True
+        ),
     }
 
 
@@ -101,11 +119,17 @@ def variant_inputs(spec: AttentionSpec, batch: int, seqlen_q: int, seqlen_k: int
     aux = {}
     for name, decl in spec.aux.items():
         shape = [d if isinstance(d, int) else sizes[d] for d in decl.shape]
-        aux[name] = randn(*shape).abs() + 0.5 if decl.dtype == "float32" else \
-            torch.randint(0, 8, shape, generator=cpu).to(torch.int32).cuda()
+        aux[name] = (
+            randn(*shape).abs() + 0.5
+            if decl.dtype == "float32"
+            else torch.randint(0, 8, shape, generator=cpu).to(torch.int32).cuda()
+        )
     for name, dtype_name in spec.scalars.items():
-        aux[name] = int(torch.randint(1, max(2, seqlen_k // 2), (1,), generator=cpu)) if dtype_name == "int32" \
+        aux[name] = (
+            int(torch.randint(1, max(2, seqlen_k // 2), (1,), generator=cpu))
+            if dtype_name == "int32"
             else float(torch.rand(1, generator=cpu)) * 0.5
+        )
     if aux:
         args["aux"] = aux
     return q, k, v, args
@@ -122,16 +146,21 @@ def pair_tail_specs() -> dict[str, tuple[AttentionSpec, int]]:
     that the GPU tests launch on a few CTAs: whole rounds of pairs, then the heaviest-first tail
     (at least the plan's pair_tail_min_tiles query tiles), and one length without a tail."""
     d128 = AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, return_lse=True)
-    return {"d128-even": (d128, 2560), "d128-odd": (d128, 2600), "d128-no-tail": (d128, 1100),
-            "d64-odd": (AttentionSpec(head_dim=64, causal=True, return_lse=True), 3900)}
+    return {
+        "d128-even": (d128, 2560),
+        "d128-odd": (d128, 2600),
+        "d128-no-tail": (d128, 1100),
+        "d64-odd": (AttentionSpec(head_dim=64, causal=True, return_lse=True), 3900),
+    }
 
 
 def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
-    """Specs whose plans split the tail (Plan.split_tail), with the plan of a query length and
+    """Specs whose plans split the tail (config.split_tail), with the plan of a query length and
     the split allowed from 1 key tile on (the planner's minimum would leave the test shapes
     unsplit), which the GPU tests launch on a few CTAs so that tiles are cut between CTAs: 2
     warpgroups (d128, whose LSE leaves its query tiles unchained, and chained), 3 warpgroups
-    whose last query tile has rows past Sq (d64), P through shared memory with O staged over it (d96's 144-key tiles), sinks and
+    whose last query tile has rows past Sq (d64), P through shared memory with O staged over it
+    (d96's 144-key tiles), sinks and
     softcap (the row statistics merged before the finalize weighs in the sink, the partial O
     added after it), and the long-range plans of d256 and d192 (one Q buffer, O without a
     buffer of its own; d192's one plan splits at every length)."""
@@ -139,17 +168,18 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
 
     cases = {}
     for name, spec, seqlen in (
-            ("d128-gqa2", AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True), 1000),
-            ("d64", AttentionSpec(head_dim=64, return_lse=True), 1000),
-            ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
-            ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000),
-            ("d256-long", AttentionSpec(head_dim=256, return_lse=True), 4100),
-            ("d192-long", AttentionSpec(head_dim=192, head_dim_v=128, return_lse=True), 2100)):
+        ("d128-gqa2", AttentionSpec(head_dim=128, qhead_per_kvhead=2, return_lse=True), 1000),
+        ("d64", AttentionSpec(head_dim=64, return_lse=True), 1000),
+        ("d96-long", AttentionSpec(head_dim=96, return_lse=True), 4100),
+        ("d128-sinks-softcap", AttentionSpec(head_dim=128, sinks=True, softcap=30.0, return_lse=True), 1000),
+        ("d256-long", AttentionSpec(head_dim=256, return_lse=True), 4100),
+        ("d192-long", AttentionSpec(head_dim=192, head_dim_v=128, return_lse=True), 2100),
+    ):
         p = plan_for_seqlen(spec, "sm_90a", seqlen)
-        cases[name] = (spec, p.model_copy(update={"split_tail": True, "split_tail_min_key_tiles": 1}))
+        cases[name] = (spec, p.with_config("split from 1 key tile", split_tail=True, split_tail_min_key_tiles=1))
     # chained query tiles (d128 chains them without LSE; the tests' split needs the LSE to check)
     spec, p = cases["d128-gqa2"]
-    cases["d128-gqa2-chained"] = (spec, p.model_copy(update={"chain_query_tiles": True}))
+    cases["d128-gqa2-chained"] = (spec, p.with_config("chained", chain_query_tiles=True))
     return cases
 
 
@@ -157,8 +187,9 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""
     import fa4gen
-    from fa4gen.planner import NO_SPLIT_TAIL, O_STAGING, sm90_fits, sm90_refit
-    from fa4gen.sm90_tables import NO_PAIR_TAIL, SM90_REGISTER_SPLIT
+    from fa4gen.planner.candidates import sm90_fits, sm90_refit
+    from fa4gen.planner.sm90 import O_STAGING
+    from fa4gen.planner.sm90_tables import NO_PAIR_TAIL, SM90_REGISTER_SPLIT
 
     cases = {}
     for name, spec in {
@@ -168,63 +199,51 @@ def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
         "d96": AttentionSpec(head_dim=96, return_lse=True),
     }.items():
         base = fa4gen.plan(spec, "sm_90a")
-        other_wgs = 5 - base.num_consumer_warpgroups  # 2 <-> 3
+        c = base.config
+        other_wgs = 5 - c.num_consumer_warpgroups  # 2 <-> 3
         producer_regs, consumer_regs = SM90_REGISTER_SPLIT[other_wgs]
         flips = {
-            "serial": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False},
-            "pingpong": {"pingpong": not base.pingpong, "turnless_edges": False},
-            "turnless-edges": {"turnless_edges": not base.turnless_edges} if base.pingpong else None,
-            "mask-runs": {"mask_runs": not base.mask_runs} if spec.has_mask else None,  # structural here
-            "interior-first-tile": {"interior_first_tile": not base.interior_first_tile}
-            if spec.right_bound is None else None,
-            "pinned-pv-wait": {"pinned_pv_wait": not base.pinned_pv_wait},
-            "persistent": {"persistent": not base.persistent, **NO_PAIR_TAIL, **NO_SPLIT_TAIL},
+            "pingpong": {"pingpong": not c.pingpong},
+            "mask-runs": {"mask_runs": not c.mask_runs} if spec.has_mask else None,  # structural here
+            "interior-first-tile": {"interior_first_tile": not c.interior_first_tile}
+            if spec.right_bound is None
+            else None,
             # the split tail's code where the plan (short of the long range) has none; it splits
             # nothing on these shapes' few tiles (the split itself on few CTAs: split_tail_cases)
             "split-tail": {"split_tail": True, "split_tail_min_key_tiles": 1}
-            if base.tile_order == "head_major" and not spec.has_mask else None,
-            "tile-order": {"tile_order": "heavy_first" if base.tile_order == "paired" else "paired", **NO_PAIR_TAIL},
+            if c.tile_order == "head_major" and not spec.has_mask
+            else None,
+            "tile-order": {"tile_order": "heavy_first" if c.tile_order == "paired" else "paired", **NO_PAIR_TAIL},
             # whole rounds of causal pairs to the end (the tail itself: pair_tail_specs)
-            "pair-tail": NO_PAIR_TAIL if base.pair_tail_rounds else None,
-            # heaviest first in head groups of about 3 KV heads at Sk = 1000 (more at shorter Sk;
-            # the last group narrower where the heads do not divide)
-            "head-groups": {"tile_order": "heavy_first", **NO_PAIR_TAIL,
-                            "l2_group_bytes": 3 * 1000 * (base.head_dim_padded + base.head_dim_v_padded) * 2},
-            **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != base.o_staging},
+            "pair-tail": NO_PAIR_TAIL if c.pair_tail_rounds else None,
+            **{f"o-{o.replace('_', '-')}": {"o_staging": o, "q_stages": 1} for o in O_STAGING if o != c.o_staging},
             # O over V as the planner has it, with Q barriers per warpgroup (a warpgroup without a
             # key tile, at Sq > Sk causal and in windows, stages O over its own Q rows)
             "o-over-v-q-per-warpgroup": {"o_staging": "over_v", "q_stages": 1, "q_per_warpgroup": True}
-            if base.o_staging != "over_v" else None,
-            # O over P waits for the last store in the first key tile, traced apart per schedule
-            "serial-o-over-p": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
-                                "o_staging": "over_p", "q_stages": 1} if not base.p_in_registers else None,
-            # O in the warpgroups' shared buffer: Q is released after the main loop in the serial
-            # schedule (before the last P.V in the overlapped one: the "o-shared" flip)
-            "serial-o-shared": {"intra_warpgroup_overlap": False, "pingpong": False, "turnless_edges": False,
-                                "o_staging": "shared", "q_stages": 1},
-            "q-stages": {"q_stages": 3 - base.q_stages},
-            "q-prefetch": {"q_prefetch": not base.q_prefetch},
-            "q-per-warpgroup": {"q_per_warpgroup": not base.q_per_warpgroup} if base.num_consumer_warpgroups > 1 else None,
-            "p-staging": {"p_in_registers": not base.p_in_registers, "q_stages": 1},
-            "warpgroups": {"tile_m": 64 * other_wgs, "num_consumer_warpgroups": other_wgs,
-                           "producer_regs": producer_regs, "consumer_regs": consumer_regs},
-            "exp2-poly": {"exp2_poly_period": 0 if base.exp2_poly_period else 3},
-            "rescale-threshold": {"rescale_threshold": 0.0, "stale_max": False} if base.rescale_threshold
+            if c.o_staging != "over_v"
+            else None,
+            "q-stages": {"q_stages": 3 - c.q_stages},
+            "q-per-warpgroup": {"q_per_warpgroup": not c.q_per_warpgroup} if c.num_consumer_warpgroups > 1 else None,
+            "p-staging": {"p_in_registers": not c.p_in_registers, "q_stages": 1},
+            "warpgroups": {
+                "num_consumer_warpgroups": other_wgs,
+                "producer_regs": producer_regs,
+                "consumer_regs": consumer_regs,
+            },
+            "rescale-threshold": {"rescale_threshold": 0.0, "stale_max": False}
+            if c.rescale_threshold
             else {"rescale_threshold": 8.0},
-            "stale-max": {"stale_max": not base.stale_max, "rescale_threshold": 8.0},
-            "tile-n": {"tile_n": base.tile_n + 16},
-            "rotated-keys": {"rotate_key_tiles": True, **NO_SPLIT_TAIL} if not spec.has_mask else None,
+            "stale-max": {"stale_max": not c.stale_max, "rescale_threshold": 8.0},
+            "tile-n": {"tile_n": c.tile_n + 16},
             # chained query tiles where the kernel allows them (held tiles meet causal tiles
             # without keys at Sq > Sk, and the CTA's last tile)
-            "chain": {"chain_query_tiles": not base.chain_query_tiles},
-            # query tiles of 3 heads alternate (the last group narrower where heads do not divide)
-            "head-interleave": {"head_interleave": 3} if base.tile_order == "head_major" else None,
+            "chain": {"chain_query_tiles": not c.chain_query_tiles},
         }
         for flip, update in filter(lambda item: item[1] is not None, flips.items()):
-            p = base.model_copy(update=update)
+            p = base.with_config(f"plan option path: {flip}", **update)
             if flip == "tile-n":  # as tune's candidates: Q and O buffers give way where needed
                 p = sm90_refit(p, "16 more keys per tile")
-            if sm90_fits(p):  # shared memory, O staging and a register estimate
+            if sm90_fits(p):  # the kernel's config_problem and a register estimate
                 cases[f"{name}/{flip}"] = (spec, p)
     return cases
 
@@ -235,8 +254,11 @@ def keyless_cases() -> dict[str, tuple[AttentionSpec, object]]:
     that stage O over V, with and without them."""
     import fa4gen
 
-    cases = {name: case for name, case in plan_option_cases().items()
-             if case[1].o_staging == "over_v" and case[0].has_mask}
+    cases = {
+        name: case
+        for name, case in plan_option_cases().items()
+        if case[1].config.o_staging == "over_v" and case[0].has_mask
+    }
     spec = AttentionSpec(head_dim=256, causal=True)
     cases["d256-causal"] = (spec, fa4gen.plan(spec, "sm_90a"))
     return cases

@@ -39,6 +39,7 @@ def test_time_balanced_rotates_rounds_and_reports_failures(monkeypatch):
             calls.append(name)
             if name == "broken" and calls.count(name) > 1:
                 raise RuntimeError("no kernel for this shape")
+
         return run
 
     timed = bench.time_balanced({n: make(n) for n in ("a", "b", "broken")}, [(1,), (2,)], rounds=3, iters=2)

@@ -26,22 +26,29 @@ def _sass_table(path: Path, rows: list[tuple[str, int, int, dict[str, int]]]) ->
         out.writerow(["Kernel Name", "k"])
         out.writerow(header)
         for n, (text, samples, executed, stalls) in enumerate(rows):
-            out.writerow([hex(n * 16), text, samples, f"{executed:,}",
-                          *(stalls.get(reason, 0) for reason in sass_stalls.STALLS)])
+            out.writerow(
+                [hex(n * 16), text, samples, f"{executed:,}", *(stalls.get(reason, 0) for reason in sass_stalls.STALLS)]
+            )
 
 
 def test_counts_groups_samples_by_how_often_code_runs(tmp_path, capsys):
     table = tmp_path / "k.csv"
-    _sass_table(table, [
-        ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R4", 30, 100, {"stall_long_sb": 30}),  # once per tile
-        ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24", 10, 700, {"stall_wait": 10}),  # per key tile
-        ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 50, 700, {"stall_barrier": 45, "stall_wait": 5}),
-        ("EXIT", 10, 4, {}),  # once per warp
-    ])
+    _sass_table(
+        table,
+        [
+            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R4", 30, 100, {"stall_long_sb": 30}),  # once per tile
+            ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24", 10, 700, {"stall_wait": 10}),  # per key tile
+            ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 50, 700, {"stall_barrier": 45, "stall_wait": 5}),
+            ("EXIT", 10, 4, {}),  # once per warp
+        ],
+    )
     sass_stalls.by_count(str(table), groups=2, top=5)
     lines = capsys.readouterr().out.splitlines()
-    rows = {int(line.split()[0]): line.split() for line in lines if line.strip() and line.split()[0].isdigit()
-            and len(line.split()) == 6}
+    rows = {
+        int(line.split()[0]): line.split()
+        for line in lines
+        if line.strip() and line.split()[0].isdigit() and len(line.split()) == 6
+    }
     # per key tile: 2 instructions, 60 of 100 samples, 60 / 700 * 1000 per 1000 executions
     assert rows[700][1:] == ["2", "1", "2", "60.00%", f"{60 / 700 * 1000:.2f}"]
     assert rows[100][1:] == ["1", "0", "0", "30.00%", "300.00"]
@@ -50,7 +57,7 @@ def test_counts_groups_samples_by_how_often_code_runs(tmp_path, capsys):
     # the two heaviest groups' instructions with their largest reasons, in % of all samples
     assert any("DEPBAR" in line and "barrier 45.00%" in line for line in lines)
     assert any("TRYWAIT" in line and "long_sb 30.00%" in line for line in lines)
-    listed = lines[lines.index(next(line for line in lines if line.startswith("executed"))):]
+    listed = lines[lines.index(next(line for line in lines if line.startswith("executed"))) :]
     assert not any("EXIT" in line for line in listed)  # a third group: not listed with groups=2
 
 
@@ -58,13 +65,17 @@ def test_combine_cancels_the_position_of_each_order(tmp_path, capsys):
     # B is 4% faster than A on the first label; whichever side runs second reads 2% faster
     forward = tmp_path / "a-b.log"
     backward = tmp_path / "b-a.log"
-    forward.write_text("x S=1024   new vs fp32 reference: error 1e-3 (bound 5e-3)\n"
-                       "x S=1024   old  100.0 new  106.1 new/old 1.061 max|new-old| 0.0e+00\n"
-                       "y S=2048   old  200.0 new  204.0 new/old 1.020 max|new-old| 0.0e+00\n"
-                       "z only here   old  50.0 new  60.0 new/old 1.200 max|new-old| 0.0e+00\n"
-                       "geometric mean new/old over 3: 1.090\n")
-    backward.write_text("x S=1024   old  104.0 new  102.0 new/old 0.981 max|new-old| 0.0e+00\n"
-                        "y S=2048   old  200.0 new  204.0 new/old 1.020 max|new-old| 0.0e+00\n")
+    forward.write_text(
+        "x S=1024   new vs fp32 reference: error 1e-3 (bound 5e-3)\n"
+        "x S=1024   old  100.0 new  106.1 new/old 1.061 max|new-old| 0.0e+00\n"
+        "y S=2048   old  200.0 new  204.0 new/old 1.020 max|new-old| 0.0e+00\n"
+        "z only here   old  50.0 new  60.0 new/old 1.200 max|new-old| 0.0e+00\n"
+        "geometric mean new/old over 3: 1.090\n"
+    )
+    backward.write_text(
+        "x S=1024   old  104.0 new  102.0 new/old 0.981 max|new-old| 0.0e+00\n"
+        "y S=2048   old  200.0 new  204.0 new/old 1.020 max|new-old| 0.0e+00\n"
+    )
     ab_kernels.combine(forward, backward)
     out = capsys.readouterr().out.splitlines()
     x = next(line for line in out if line.startswith("x S=1024"))

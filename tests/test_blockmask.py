@@ -13,34 +13,47 @@ from fa4gen.variants import lower
 
 SPECS = {
     "streaming": fa4gen.AttentionSpec(
-        causal=True, mask={"kind": "expression", "expr": "kv_idx < sinks_n or q_idx - kv_idx < window"},
-        scalars={"sinks_n": "int32", "window": "int32"}),
+        causal=True,
+        mask={"kind": "expression", "expr": "kv_idx < sinks_n or q_idx - kv_idx < window"},
+        scalars={"sinks_n": "int32", "window": "int32"},
+    ),
     "per-head-dilated": fa4gen.AttentionSpec(
-        head_dim=64, mask={"kind": "expression", "expr": "(kv_idx // 32 - q_idx // 32) // (h + 1) * (h + 1) == "
-                                                         "kv_idx // 32 - q_idx // 32"}),
+        head_dim=64,
+        mask={
+            "kind": "expression",
+            "expr": "(kv_idx // 32 - q_idx // 32) // (h + 1) * (h + 1) == kv_idx // 32 - q_idx // 32",
+        },
+    ),
     "per-batch-length": fa4gen.AttentionSpec(
-        head_dim=64, mask={"kind": "expression", "expr": "kv_idx < lengths[b]"},
-        aux={"lengths": {"dtype": "int32", "shape": ["B"]}}),
+        head_dim=64,
+        mask={"kind": "expression", "expr": "kv_idx < lengths[b]"},
+        aux={"lengths": {"dtype": "int32", "shape": ["B"]}},
+    ),
     "empty-rows-window": fa4gen.AttentionSpec(
-        window_left=100, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"}),
+        window_left=100, mask={"kind": "expression", "expr": "kv_idx + 40 <= q_idx"}
+    ),
 }
-AUX = {"streaming": {"sinks_n": 4, "window": 150}, "per-head-dilated": {},
-       "per-batch-length": {"lengths": torch.tensor([37, 300, 1], dtype=torch.int32)}, "empty-rows-window": {}}
+AUX = {
+    "streaming": {"sinks_n": 4, "window": 150},
+    "per-head-dilated": {},
+    "per-batch-length": {"lengths": torch.tensor([37, 300, 1], dtype=torch.int32)},
+    "empty-rows-window": {},
+}
 
 
 def brute_force(spec, plan, batch, heads, sq, sk, aux):
     mask = visible_mask(spec, sq, sk, args={"aux": aux}, batch=batch, heads=heads).expand(batch, heads, sq, sk)
-    m, n = -(-sq // plan.tile_m), -(-sk // plan.tile_n)
-    padded = torch.zeros(batch, heads, m * plan.tile_m, n * plan.tile_n, dtype=torch.bool)
+    m, n = -(-sq // plan.config.tile_m), -(-sk // plan.config.tile_n)
+    padded = torch.zeros(batch, heads, m * plan.config.tile_m, n * plan.config.tile_n, dtype=torch.bool)
     padded[:, :, :sq, :sk] = mask
-    real = torch.zeros(m * plan.tile_m, dtype=torch.bool)
+    real = torch.zeros(m * plan.config.tile_m, dtype=torch.bool)
     real[:sq] = True
-    tiles = padded.view(batch, heads, m, plan.tile_m, n, plan.tile_n)
-    real = real.view(1, 1, m, plan.tile_m, 1, 1)
+    tiles = padded.view(batch, heads, m, plan.config.tile_m, n, plan.config.tile_n)
+    real = real.view(1, 1, m, plan.config.tile_m, 1, 1)
     nonempty = tiles.any(dim=5).any(dim=3)
-    cols_real = torch.zeros(n * plan.tile_n, dtype=torch.bool)
+    cols_real = torch.zeros(n * plan.config.tile_n, dtype=torch.bool)
     cols_real[:sk] = True
-    full = (tiles | ~real).all(dim=5).all(dim=3) & nonempty & cols_real.view(n, plan.tile_n).all(dim=1)
+    full = (tiles | ~real).all(dim=5).all(dim=3) & nonempty & cols_real.view(n, plan.config.tile_n).all(dim=1)
     return nonempty, full
 
 
@@ -78,7 +91,7 @@ def test_block_mask_skips_tiles_and_checks_its_shape():
     check_block_mask(bm, plan, 2, 8, 4096, 4096, torch.device("cpu"))  # shared by batch and heads
     with pytest.raises(ValueError, match="built for Sq=4096, Sk=4096"):
         check_block_mask(bm, plan, 1, 1, 4096, 2048, torch.device("cpu"))
-    other = plan.model_copy(update={"tile_n": 64})
+    other = plan.with_config("test", tile_n=64)
     with pytest.raises(ValueError, match="tiles; this kernel uses"):
         check_block_mask(bm, other, 1, 1, 4096, 4096, torch.device("cpu"))
     with pytest.raises(ValueError, match="must come from AttentionKernel.block_mask"):

@@ -107,8 +107,7 @@ def listing(path: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- keys and config
 @settings(max_examples=50, deadline=None)
-@given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), min_size=1),
-       st.randoms())
+@given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), min_size=1), st.randoms())
 def test_make_key_ignores_insertion_order(parts, rng):
     items = list(parts.items())
     rng.shuffle(items)
@@ -226,8 +225,7 @@ def test_no_compile_raises_cache_miss_without_building(root):
     cache = KernelCache(root)
     build = FakeBuild()
     with pytest.raises(CacheMiss, match="kernel X was never compiled"):
-        cache.get_or_build(key_of(1), META, build, no_compile=True,
-                           miss_message="kernel X was never compiled")
+        cache.get_or_build(key_of(1), META, build, no_compile=True, miss_message="kernel X was never compiled")
     with pytest.raises(CacheMiss, match=key_of(1)):
         cache.get_or_build(key_of(1), META, build, no_compile=True)
     assert build.calls == 0
@@ -241,10 +239,21 @@ def test_sixteen_processes_race_for_one_key(root, tmp_path):
     log, go = tmp_path / "builds.log", tmp_path / "go"
     procs = []
     for i in range(16):
-        args = [sys.executable, str(WORKER), str(root), key, "--log", str(log), "--sleep", "0.5",
-                "--ready", str(tmp_path / f"ready{i}"), "--go", str(go)]
-        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        args = [
+            sys.executable,
+            str(WORKER),
+            str(root),
+            key,
+            "--log",
+            str(log),
+            "--sleep",
+            "0.5",
+            "--ready",
+            str(tmp_path / f"ready{i}"),
+            "--go",
+            str(go),
+        ]
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 90
     while not all((tmp_path / f"ready{i}").exists() for i in range(16)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
@@ -266,8 +275,7 @@ def test_sixteen_processes_race_for_one_key(root, tmp_path):
 def test_sigkilled_build_leaves_no_entry_and_no_lock(root, tmp_path):
     key = key_of("killed")
     started = tmp_path / "started"
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(root), key, "--sleep", "60",
-                             "--started", str(started)])
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(root), key, "--sleep", "60", "--started", str(started)])
     try:
         deadline = time.monotonic() + 60
         while not started.exists():
@@ -524,7 +532,7 @@ def test_new_root_is_private_and_files_not_group_writable(root):
     assert stat.S_IMODE((entry.path / "meta.json").stat().st_mode) & ~0o644 == 0
 
 
-@pytest.mark.parametrize("sub", ["", "entries", "index"])
+@pytest.mark.parametrize("sub", ["", "entries", "index", "locks", "tmp"])
 def test_writable_by_others_is_untrusted(root, sub, monkeypatch):
     KernelCache(root).get_or_build(key_of(1), META, FakeBuild())
     target = root / sub if sub else root
@@ -610,7 +618,8 @@ def test_entries_merge_last_use_from_index(root):
     assert all(e.meta["last_use"] >= e.meta["created"] for e in fallback)
 
 
-def test_lru_eviction_keeps_recent_and_just_built(root, tmp_path):
+def test_lru_eviction_keeps_recent_and_just_built(root, tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "EVICTION_GRACE_S", 0.0)  # every entry here is seconds old
     probe = KernelCache(tmp_path / "probe")
     per_entry = probe.get_or_build(key_of("probe"), META, FakeBuild(1000))[0].meta["size"]
     cache = KernelCache(root, size_limit=3 * per_entry)
@@ -624,7 +633,8 @@ def test_lru_eviction_keeps_recent_and_just_built(root, tmp_path):
     assert not (root / "locks" / f"{b}.lock").exists()
 
     tiny = KernelCache(root, size_limit=10)
-    tiny.get_or_build(e, META, FakeBuild(1000))
+    with pytest.warns(cache_mod.CacheSizeWarning, match="size limit of 10 bytes"):
+        tiny.get_or_build(e, META, FakeBuild(1000))
     assert [x.key for x in tiny.entries()] == [e]  # the just-built entry always stays
 
 
@@ -755,20 +765,20 @@ def test_import_skips_tampered_entries(root, tmp_path):
 
 
 def test_module_does_not_import_torch_or_cutlass():
-    # Load cache.py on its own (not through fa4gen/__init__), so only its own imports count.
+    # Load the cache modules with an empty fa4gen package (its __init__ not run), so only the
+    # cache's own imports count.
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('cache_probe', sys.argv[2])\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules['cache_probe'] = module\n"
-        "spec.loader.exec_module(module)\n"
+        "import importlib, os, sys, types\n"
+        "package = types.ModuleType('fa4gen')\n"
+        "package.__path__ = [os.path.dirname(sys.argv[2])]\n"
+        "sys.modules['fa4gen'] = package\n"
+        "module = importlib.import_module('fa4gen.cache')\n"
         "module.KernelCache(sys.argv[1]).lookup(module.make_key({}))\n"
-        "bad = {'torch', 'cutlass', 'fa4gen'} & {m.split('.')[0] for m in sys.modules}\n"
+        "bad = {'torch', 'cutlass', 'tvm_ffi'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert not bad, bad\n"
     )
     with tempfile.TemporaryDirectory() as root:
-        subprocess.run([sys.executable, "-c", code, root, cache_mod.__file__], check=True,
-                       timeout=60)
+        subprocess.run([sys.executable, "-c", code, root, cache_mod.__file__], check=True, timeout=60)
 
 
 def test_removed_lock_file_is_never_held_twice(root):

@@ -7,6 +7,7 @@ tests that damage or clear a cache work on a copy of it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 import fa4gen
+from fa4gen import toolchain
 from fa4gen.api import cache_key_parts
 from fa4gen.arch import Arch
 from fa4gen.cache import make_key
@@ -29,8 +30,13 @@ from fa4gen.planner import seqlen_splits
 SMALL_SPEC = "head_dim: 64\n"
 # the cache tests' spec: one plan, so one entry (an unmasked spec adds its long-range plan)
 CACHE_SPEC = "head_dim: 64\ncausal: true\nwindow_left: 128\n"
-ISOLATED_ENV = ("FA4GEN_CACHE_DIR", "FA4GEN_NO_COMPILE", "FA4GEN_CACHE_TRUSTED",
-                "FA4GEN_CACHE_SIZE_LIMIT", "FA4GEN_TOOLCHAIN")
+ISOLATED_ENV = (
+    "FA4GEN_CACHE_DIR",
+    "FA4GEN_NO_COMPILE",
+    "FA4GEN_CACHE_TRUSTED",
+    "FA4GEN_CACHE_SIZE_LIMIT",
+    "FA4GEN_TOOLCHAIN",
+)
 
 
 def _isolate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,8 +151,14 @@ def test_plan_and_emit_show_the_plans_of_length_ranges(tmp_path: Path) -> None:
     result = run("plan", spec_file)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == f"{main.describe()}\n\n{short.describe()}\n\n{long.describe()}"
-    for seqlen, expected in ((1, short.plan), (1024, short.plan), (1025, main), (4095, main), (4096, long.plan),
-                             (16384, long.plan)):
+    for seqlen, expected in (
+        (1, short.plan),
+        (1024, short.plan),
+        (1025, main),
+        (4095, main),
+        (4096, long.plan),
+        (16384, long.plan),
+    ):
         result = run("plan", spec_file, "--seqlen", str(seqlen), "--json")
         assert result.exit_code == 0, result.output
         assert fa4gen.Plan.model_validate_json(result.stdout) == expected
@@ -168,6 +180,92 @@ def test_unknown_field_and_malformed_yaml(tmp_path: Path) -> None:
     assert_one_line_error(run("plan", write_spec(tmp_path, "head_dimm: 64\n")), "head_dimm")
     assert_one_line_error(run("plan", write_spec(tmp_path, "head_dim: [64\n")), "error: ")
     assert_one_line_error(run("plan", write_spec(tmp_path, "- 64\n")), "mapping")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "empty spec file: write at least one field, e.g. head_dim: 128"),
+        ("# just a comment\n", "empty spec file"),
+        ("head_dim: 64\nhead_dim: 128\n", "line 2, column 1: duplicate key 'head_dim'"),
+        ("head_dim: true\n", "head_dim: got a boolean"),
+        ("scalars:\n a: &a [x,x]\n b: [*a,*a]\n", "aliases (*a) are not allowed"),
+        ("[" * 100_000, "larger than 64 KiB"),
+        ("dtype: " + "x" * 60_000 + "\n", "xxx... is not supported"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "emit", "compile"])
+def test_spec_file_errors_are_one_line_naming_the_file(tmp_path: Path, command: str, text: str, needle: str) -> None:
+    spec_file = write_spec(tmp_path, text, name="bad-spec.yaml")
+    result = run("--cache-dir", tmp_path / "cache", command, spec_file)
+    assert_one_line_error(result, f"error: {spec_file}: ", needle)
+    assert len(result.stderr) < 300
+
+
+def test_non_utf8_spec_file_is_named(tmp_path: Path) -> None:
+    spec_file = tmp_path / "latin1.yaml"
+    spec_file.write_bytes(b"head_dim: 64 # caf\xe9\n")
+    assert_one_line_error(run("plan", spec_file), f"{spec_file}: not UTF-8 text")
+
+
+@pytest.fixture
+def fresh_toolchain():
+    """toolchain() is memoised per process: forget it around a test that changes FA4GEN_TOOLCHAIN."""
+    toolchain.toolchain.cache_clear()
+    yield
+    toolchain.toolchain.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "garbage",
+        "cutlass-dsl=4.8.1",
+        "cutlass-dsl=4.8.1,cuda=cu99",
+        "cutlass-dsl=,cuda=cu13",
+        "cutlass-dsl=4.8.1,cuda=cu13,extra=1",
+    ],
+)
+@pytest.mark.parametrize("command", ["compile", "warm"])
+def test_malformed_toolchain_override_is_one_line(
+    tmp_path: Path, fresh_toolchain: None, command: str, value: str
+) -> None:
+    result = run("--cache-dir", tmp_path / "cache", command, write_spec(tmp_path), env={"FA4GEN_TOOLCHAIN": value})
+    assert_one_line_error(
+        result, f"FA4GEN_TOOLCHAIN={value!r} is not a toolchain", "expected the form cutlass-dsl=4.8.1,cuda=cu13"
+    )
+    assert not (tmp_path / "cache" / "entries").exists() or not list((tmp_path / "cache" / "entries").iterdir())
+
+
+def test_version_reports_a_malformed_toolchain_override(tmp_path: Path, fresh_toolchain: None) -> None:
+    result = run("--cache-dir", tmp_path, "version", env={"FA4GEN_TOOLCHAIN": "garbage"})
+    assert result.exit_code == 0
+    assert "CuTe DSL    unavailable (FA4GEN_TOOLCHAIN='garbage' is not a toolchain" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("compile", "SPEC"),
+        ("warm", "SPEC"),
+        ("cache", "ls"),
+        ("cache", "verify"),
+        ("cache", "clear"),
+        ("cache", "drop", "kernel.ptx"),
+        ("cache", "export", "out.tar.gz"),
+        ("cache", "import", "in.tar.gz"),
+    ],
+)
+def test_malformed_size_limit_is_one_line_for_every_cache_command(tmp_path: Path, args: tuple[str, ...]) -> None:
+    spec_file = write_spec(tmp_path)
+    argv = [spec_file if arg == "SPEC" else tmp_path / arg if arg.endswith(".tar.gz") else arg for arg in args]
+    result = run("--cache-dir", tmp_path / "cache", *argv, env={"FA4GEN_CACHE_SIZE_LIMIT": "garbage"})
+    assert_one_line_error(result, "FA4GEN_CACHE_SIZE_LIMIT", "'garbage'")
+
+
+def test_unknown_arch_in_warm_is_one_line(tmp_path: Path) -> None:
+    result = run("--cache-dir", tmp_path / "cache", "warm", write_spec(tmp_path), "--arch", "sm_90a,sm_75")
+    assert_one_line_error(result, "unknown arch 'sm_75'", "sm_90a")
 
 
 @pytest.mark.parametrize("command", ["plan", "emit", "compile"])
@@ -192,6 +290,28 @@ def test_no_compile_environment_variable_is_honoured(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     result = run("compile", write_spec(tmp_path), "--cache-dir", cache, env={"FA4GEN_NO_COMPILE": "1"})
     assert_one_line_error(result, "fa4gen warm")
+
+
+def test_import_pins_the_archive_digest(tmp_path: Path) -> None:
+    archive = tmp_path / "empty.tar.gz"
+    assert run("cache", "export", archive, "--cache-dir", tmp_path / "source").exit_code == 0
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    wrong = hashlib.sha256(b"something else").hexdigest()
+    result = run("cache", "import", archive, "--sha256", wrong, "--cache-dir", tmp_path / "c")
+    assert_one_line_error(result, wrong)
+    assert "sha256" in result.stderr.lower()
+    for given in (digest, digest.upper()):
+        result = run("cache", "import", archive, "--sha256", given, "--cache-dir", tmp_path / "c")
+        assert result.exit_code == 0 and result.stdout.startswith("imported 0 entries"), result.output
+    for bad in ("abc", digest[:-1] + "g", digest + "0"):
+        result = run("cache", "import", archive, "--sha256", bad, "--cache-dir", tmp_path / "c")
+        assert result.exit_code == 2 and "not a SHA-256 digest" in result.output
+
+
+def test_import_help_says_an_archive_is_code() -> None:
+    text = " ".join(run("cache", "import", "--help").stdout.split())
+    assert "An archive is code" in text and "import only archives from a source you trust" in text
+    assert "catch corruption, not malice" in text and "--sha256" in text
 
 
 def test_import_of_a_bad_archive_fails_cleanly(tmp_path: Path) -> None:
@@ -235,21 +355,40 @@ def test_version_names_toolchain_and_cache_root(tmp_path: Path) -> None:
 
 def test_module_entry_point_runs(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ISOLATED_ENV}
-    proc = subprocess.run([sys.executable, "-m", "fa4gen.cli", "schema"], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fa4gen.cli", "schema"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["title"] == "AttentionSpec"
 
 
+def test_every_package_is_in_the_wheel() -> None:
+    """A package directory missing from pyproject's list works in an editable install and is
+    absent from the wheel a Docker image installs."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent
+    declared = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "fa4gen").rglob("__init__.py")}
+    assert found | {"fa4gen.templates"} == declared
+
+
 # ----------------------------------------------------------------------------- helpers
-@pytest.mark.parametrize(("text", "seconds"), [("45s", 45), ("30m", 1800), ("12h", 43200), ("7d", 604800),
-                                               ("1.5h", 5400), ("2W", 1209600), (" 0s ", 0)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("45s", 45), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("1.5h", 5400), ("2W", 1209600), (" 0s ", 0)],
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize(("size", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
-                                            (166942, "163.0 KiB"), (5 * 1024**3, "5.0 GiB")])
+@pytest.mark.parametrize(
+    ("size", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (166942, "163.0 KiB"), (5 * 1024**3, "5.0 GiB")]
+)
 def test_human_size(size: int, text: str) -> None:
     assert human_size(size) == text
 
@@ -264,6 +403,13 @@ def test_compile_prints_plan_key_and_compile_time(built: Built) -> None:
     assert f"path    {built.cache / 'entries' / built.key}" in out
     assert "compiled in " in out and " s" in out
     assert "KiB" in out
+
+
+@pytest.mark.slow
+def test_compile_reports_each_finished_kernel(built: Built) -> None:
+    for result, status in ((built.first, "compiled"), (built.second, "cached")):  # one plan: one line
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(status) and "sm_90a" in lines[0], result.stderr
 
 
 @pytest.mark.slow

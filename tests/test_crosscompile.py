@@ -86,13 +86,16 @@ def test_a_shared_o_buffer_is_taken_in_turn(artifacts):
     kinds = set()
     for name, result in artifacts.items():
         ptx = (result.entry.path / "kernel.ptx").read_text()
-        count = lambda op, threads: len(re.findall(rf"\bbar\.{op}\s+%r\d+, {threads};", ptx))  # noqa: E731
+
+        def count(op: str, threads: int, ptx: str = ptx) -> int:
+            return len(re.findall(rf"\bbar\.{op}\s+%r\d+, {threads};", ptx))
+
         turns, both = (count("sync", 160), count("arrive", 160)), (count("sync", 256), count("arrive", 256))
-        staging = result.plan.o_staging
+        staging = result.plan.config.o_staging
         assert (min(turns) >= 1) if staging == "shared" else turns == (0, 0), f"{name}: {turns} turn barriers"
         if staging == "over_v":
             assert min(both) >= 1, f"{name}: {both} barriers between the warpgroups"
-        elif not result.plan.pingpong:
+        elif not result.plan.config.pingpong:
             assert both == (0, 0), f"{name}: {both} barriers between the warpgroups"
         kinds.add(staging)
     assert {"shared", "over_v", "own"} <= kinds
@@ -100,11 +103,11 @@ def test_a_shared_o_buffer_is_taken_in_turn(artifacts):
 
 def test_q_barriers_per_buffer_or_per_warpgroup(artifacts):
     """A full and an empty mbarrier per K and per V stage, and per Q buffer, or with
-    Plan.q_per_warpgroup per warpgroup's 64 rows of each Q buffer (deepseek-style's d192 in
+    config.q_per_warpgroup per warpgroup's 64 rows of each Q buffer (deepseek-style's d192 in
     specs/ has them, the others one pair per buffer)."""
     kinds = set()
     for name, result in artifacts.items():
-        p = result.plan
+        p = result.plan.config
         ptx = (result.entry.path / "kernel.ptx").read_text()
         q_slots = p.q_stages * (p.num_consumer_warpgroups if p.q_per_warpgroup else 1)
         inits = len(re.findall(r"\bmbarrier\.init\.shared\.b64\b", ptx))
@@ -116,22 +119,23 @@ def test_q_barriers_per_buffer_or_per_warpgroup(artifacts):
 def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(artifacts, warm_cache):
     """P's 16-bit conversions are volatile inline asm (layout.pack_pair_pinned) where a rescale
     threshold puts a branch after them, and plain conversions (which LLVM may sink) where O is
-    rescaled every tile: sm90_mainloop.pins_p_conversions. Every spec in specs/ has the
+    rescaled every tile: sm90.mainloop.pins_p_conversions. Every spec in specs/ has the
     threshold (a stale max needs it), so vit's plan rescaling every tile, a tuning candidate,
     is built beside them."""
     import fa4gen
 
     root, results = warm_cache
-    every_tile = results["vit"].plan.model_copy(update={"rescale_threshold": 0.0, "stale_max": False})
+    every_tile = results["vit"].plan.with_config("O rescaled every tile", rescale_threshold=0.0, stale_max=False)
     built = dict(artifacts)
-    built["vit, O rescaled every tile"] = fa4gen.build(results["vit"].spec, "sm_90a", cache_dir=root,
-                                                       kernel_plan=every_tile)
+    built["vit, O rescaled every tile"] = fa4gen.build(
+        results["vit"].spec, "sm_90a", cache_dir=root, kernel_plan=every_tile
+    )
     kinds = set()
     for name, result in built.items():
         ptx = (result.entry.path / "kernel.ptx").read_text()
         blocks = re.findall(r"// begin inline asm\n(.*?)// end inline asm", ptx, re.S)
         pinned = sum(1 for block in blocks if re.search(r"cvt\.rn\.(?:bf16|f16)x2\.f32", block))
-        threshold = result.plan.rescale_threshold > 0.0
+        threshold = result.plan.config.rescale_threshold > 0.0
         assert (pinned > 0) == threshold, f"{name}: {pinned} pinned conversions, rescale threshold {threshold}"
         kinds.add(threshold)
     assert kinds == {True, False}
@@ -177,7 +181,7 @@ def test_q_descriptors_step_without_carry_at_small_head_dims(artifacts):
     tool = _nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    small = {name: result for name, result in artifacts.items() if result.plan.head_dim_padded <= 64}
+    small = {name: result for name, result in artifacts.items() if result.plan.config.head_dim_padded <= 64}
     assert small, "specs/ has no spec with d <= 64"
     for name, result in small.items():
         sass = subprocess.run(
@@ -201,15 +205,15 @@ def _loop_heads_to_first_vote(sass: str) -> list[list[str]]:
     for end, text in enumerate(body):
         target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
         if target and labels.get(target.group(1), end + 1) <= end:
-            steps = body[labels[target.group(1)]:end + 1]
+            steps = body[labels[target.group(1)] : end + 1]
             if any("HGMMA" in t for t in steps):
                 votes = [i for i, t in enumerate(steps) if "VOTE.ANY" in t]
-                loops.append(steps[:votes[0]] if votes else steps)
+                loops.append(steps[: votes[0]] if votes else steps)
     return loops
 
 
 def test_stale_max_steps_exponentiate_without_a_row_max(artifacts):
-    """With Plan.stale_max, some key-tile loop exponentiates a whole tile (tile_n / 2 MUFU.EX2
+    """With config.stale_max, some key-tile loop exponentiates a whole tile (tile_n / 2 MUFU.EX2
     per thread) before its first warp vote with at most the two FMNMX of the row-sum check, no
     tile max (tile_n / 2 - 1 FMNMX per row); without it, every loop finds the max first.
     specs/ has both kinds (d192, d256, documents and the expression mask keep the max)."""
@@ -221,11 +225,14 @@ def test_stale_max_steps_exponentiate_without_a_row_max(artifacts):
         sass = subprocess.run(
             [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
         ).stdout
-        exps = result.plan.tile_n // 2
-        stale = [steps for steps in _loop_heads_to_first_vote(sass)
-                 if sum("MUFU.EX2" in t for t in steps) >= exps and sum("FMNMX" in t for t in steps) <= 2]
-        assert bool(stale) == result.plan.stale_max, f"{name}: {len(stale)} key-tile loops without a row max"
-        kinds.add(result.plan.stale_max)
+        exps = result.plan.config.tile_n // 2
+        stale = [
+            steps
+            for steps in _loop_heads_to_first_vote(sass)
+            if sum("MUFU.EX2" in t for t in steps) >= exps and sum("FMNMX" in t for t in steps) <= 2
+        ]
+        assert bool(stale) == result.plan.config.stale_max, f"{name}: {len(stale)} key-tile loops without a row max"
+        kinds.add(result.plan.config.stale_max)
     assert kinds == {True, False}
 
 

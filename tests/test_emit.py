@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 import fa4gen
-from fa4gen.emitter import LOG2E, emit
-from fa4gen.planner import plan, seqlen_splits
+from fa4gen.emitter import emit
 from fa4gen.expr import render_cute
-from fa4gen.variants import lower
+from fa4gen.kernels.sm90.config import Sm90FwdConfig
+from fa4gen.planner import plan, seqlen_splits
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import dump_spec, load_spec
+from fa4gen.variants import lower
 
 TESTS_DIR = Path(__file__).resolve().parent
 SPECS_DIR = TESTS_DIR.parent / "specs"
@@ -33,6 +34,7 @@ SPEC_IDS = [p.stem for p in SPEC_FILES]
 SPLIT_GOLDENS = [(p, s.label) for p in SPEC_FILES for s in seqlen_splits(load_spec(p), "sm_90a")]
 ARCH = "sm_90a"
 DIFF_LINES = 40
+LOG2E = math.log2(math.e)
 
 EXTRA_SPECS = {
     "default": AttentionSpec(),
@@ -127,20 +129,36 @@ def test_regen_golden_check_is_clean():
 # --------------------------------------------------------------------------- structure
 
 
-def _make_kernel_kwargs(tree: ast.Module) -> dict[str, ast.expr]:
-    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
-    (ret,) = [n for n in ast.walk(func) if isinstance(n, ast.Return)]
-    assert isinstance(ret.value, ast.Call)
-    return {kw.arg: kw.value for kw in ret.value.keywords}
-
-
 def _module_constants(tree: ast.Module) -> dict[str, object]:
+    """Module-level NAME = literal (or NAME = other_name) assignments; CONFIG is read by _config."""
     out = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             value = node.value
-            out[node.targets[0].id] = value.id if isinstance(value, ast.Name) else ast.literal_eval(value)
+            if isinstance(value, ast.Name):
+                out[node.targets[0].id] = value.id
+            elif not isinstance(value, ast.Call):
+                out[node.targets[0].id] = ast.literal_eval(value)
     return out
+
+
+def _config(source: str) -> Sm90FwdConfig:
+    """The emitted CONFIG: Sm90FwdConfig(field=<literal>, ...), one keyword per field."""
+    (node,) = [
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["CONFIG"]
+    ]
+    call = node.value
+    assert isinstance(call, ast.Call) and ast.unparse(call.func) == "Sm90FwdConfig" and not call.args
+    return Sm90FwdConfig(**{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+
+
+def _make_kernel_call(tree: ast.Module) -> ast.Call:
+    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
+    (ret,) = [n for n in ast.walk(func) if isinstance(n, ast.Return)]
+    assert isinstance(ret.value, ast.Call)
+    return ret.value
 
 
 @pytest.mark.parametrize("spec", _all_specs())
@@ -162,22 +180,26 @@ def test_emitted_source_structure(spec):
     assert all(line.startswith("#") for line in header)
     for yaml_line in dump_spec(spec.canonicalized()).splitlines():
         assert f"#   {yaml_line}".rstrip() in header, f"spec line {yaml_line!r} not in header"
-    assert f"# plan ({kernel_plan.arch}):" in header
+    (plan_line,) = [line for line in header if line.startswith("# plan:")]
+    assert kernel_plan.arch in plan_line and kernel_plan.kernel in plan_line
 
     assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "make_kernel"]
     assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "entry"]
     imports = {(n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert ("fa4gen.kernels.sm90_fwd", kernel_plan.kernel) in imports
+    assert ("fa4gen.kernels.sm90.fwd", kernel_plan.kernel) in imports
+    assert ("fa4gen.kernels.sm90.config", "Sm90FwdConfig") in imports
     assert emitted.template == "sm90_fwd.py.jinja"
 
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     constants = _module_constants(tree)
+    config = _config(source)
     lowered = lower(spec)
+    assert "SCALE_LOG2" not in constants and "EXTRAS" not in constants  # both live in CONFIG
     if lowered.score is not None:  # the expression (built-in or the user's), scaled first
         assert "score_mod" in functions and constants["SCORE_MOD"] == "score_mod"
         assert constants["SOFTMAX_SCALE"] == spec.scale
         assert render_cute(lowered.score, {e.name: f"args.{e.name}" for e in lowered.extras}) in source
-        assert constants["SCALE_LOG2"] == LOG2E
+        assert config.scale_log2 == LOG2E
         assert ("SOFTCAP" in constants) == (spec.softcap is not None)
     elif spec.softcap is not None:
         assert "score_mod" in functions
@@ -185,84 +207,84 @@ def test_emitted_source_structure(spec):
         assert constants["SOFTCAP"] == spec.softcap
         assert f"SOFTCAP = {spec.softcap!r}" in source
         assert constants["PRE_TANH"] == spec.scale / spec.softcap
-        assert constants["SCALE_LOG2"] == LOG2E
+        assert config.scale_log2 == LOG2E
     else:
         assert "score_mod" not in functions
         assert "SOFTCAP" not in constants
         assert constants["SCORE_MOD"] is None
         assert "SCORE_MOD = None" in source
-        assert constants["SCALE_LOG2"] == spec.scale * LOG2E
+        assert config.scale_log2 == spec.scale * LOG2E
+    assert (constants["MASK_MOD"] == "mask_mod") == (lowered.mask is not None)
 
 
 @pytest.mark.parametrize("spec", _all_specs())
-def test_emitted_constants_match_spec_and_plan(spec):
+def test_emitted_config_is_the_plans(spec):
     kernel_plan = plan(spec, ARCH)
-    kwargs = {k: (v.id if isinstance(v, ast.Name) else ast.literal_eval(v))
-              for k, v in _make_kernel_kwargs(ast.parse(_source(spec))).items()}
-    assert kwargs == {
+    source = _source(spec)
+    assert _config(source) == kernel_plan.config
+    call = _make_kernel_call(ast.parse(source))
+    assert ast.unparse(call.func) == kernel_plan.kernel
+    assert [ast.unparse(a) for a in call.args] == ["CONFIG"]
+    assert {kw.arg: ast.unparse(kw.value) for kw in call.keywords} == {"score_mod": "SCORE_MOD", "mask_mod": "MASK_MOD"}
+
+
+@pytest.mark.parametrize("spec", _all_specs())
+def test_config_variant_fields_match_spec(spec):
+    """The fields the spec fixes reach the kernel under its names (spec.dv is the real V dim)."""
+    config = plan(spec, ARCH).config
+    lowered = lower(spec)
+    assert {
+        name: getattr(config, name)
+        for name in (
+            "head_dim",
+            "head_dim_v",
+            "qhead_per_kvhead",
+            "window_left",
+            "window_right",
+            "chunk",
+            "prefix_lm",
+            "document",
+            "expression_mask",
+            "sinks",
+            "return_lse",
+            "extra_names",
+        )
+    } == {
         "head_dim": spec.head_dim,
         "head_dim_v": spec.dv,
-        "head_dim_padded": kernel_plan.head_dim_padded,
-        "head_dim_v_padded": kernel_plan.head_dim_v_padded,
         "qhead_per_kvhead": spec.qhead_per_kvhead,
-        "tile_m": kernel_plan.tile_m,
-        "tile_n": kernel_plan.tile_n,
-        "kv_stages": kernel_plan.kv_stages,
-        "q_stages": kernel_plan.q_stages,
-        "q_prefetch": kernel_plan.q_prefetch,
-        "q_per_warpgroup": kernel_plan.q_per_warpgroup,
-        "p_in_registers": kernel_plan.p_in_registers,
-        "num_consumer_warpgroups": kernel_plan.num_consumer_warpgroups,
-        "producer_regs": kernel_plan.producer_regs,
-        "consumer_regs": kernel_plan.consumer_regs,
-        "scale_log2": "SCALE_LOG2",
         "window_left": spec.left_bound,
         "window_right": spec.right_bound,
-        "score_mod": "SCORE_MOD",
-        "mask_mod": "MASK_MOD",
         "chunk": spec.mask.size if spec.mask_kind == "chunked" else None,
         "prefix_lm": spec.mask_kind == "prefix_lm",
         "document": spec.mask_kind == "document",
+        "expression_mask": lowered.mask is not None,
         "sinks": spec.sinks,
-        "extra_names": "EXTRAS",
         "return_lse": spec.return_lse,
-        "intra_warpgroup_overlap": kernel_plan.intra_warpgroup_overlap,
-        "pingpong": kernel_plan.pingpong,
-        "turnless_edges": kernel_plan.turnless_edges,
-        "mask_runs": kernel_plan.mask_runs,
-        "interior_first_tile": kernel_plan.interior_first_tile,
-        "pinned_pv_wait": kernel_plan.pinned_pv_wait,
-        "persistent": kernel_plan.persistent,
-        "tile_order": kernel_plan.tile_order,
-        "pair_tail_rounds": kernel_plan.pair_tail_rounds,
-        "pair_tail_min_tiles": kernel_plan.pair_tail_min_tiles,
-        "l2_group_bytes": kernel_plan.l2_group_bytes,
-        "head_interleave": kernel_plan.head_interleave,
-        "rotate_key_tiles": kernel_plan.rotate_key_tiles,
-        "chain_query_tiles": kernel_plan.chain_query_tiles,
-        "split_tail": kernel_plan.split_tail,
-        "split_tail_min_key_tiles": kernel_plan.split_tail_min_key_tiles,
-        "o_staging": kernel_plan.o_staging,
-        "exp2_poly_period": kernel_plan.exp2_poly_period,
-        "rescale_threshold": kernel_plan.rescale_threshold,
-        "stale_max": kernel_plan.stale_max,
+        "extra_names": tuple(extra.name for extra in lowered.extras),
     }
+    assert config.head_dim_padded >= config.head_dim and config.head_dim_v_padded >= config.head_dim_v
 
 
 @pytest.mark.parametrize(
-    "stem, snippets",
+    "stem, fields, snippets",
     [
-        ("gemma2-local", ["window_left=4096,", "window_right=0,", "head_dim=256,", "qhead_per_kvhead=2,",
-                          "tile_n=64,", "SOFTCAP = 50.0", "SCORE_MOD = score_mod"]),
-        ("mistral-7b", ["window_left=4096,", "window_right=0,", "qhead_per_kvhead=4,", "SCORE_MOD = None"]),
-        ("llama3-8b", ["window_left=None,", "window_right=0,", "qhead_per_kvhead=4,", "tile_n=128,"]),
-        ("vit", ["head_dim=64,", "window_left=None,", "window_right=None,", "kv_stages=2,"]),
-        ("deepseek-style", ["head_dim=192,", "head_dim_v=128,", "return_lse=True,", "window_right=0,"]),
-        ("qwen-fp16", ["#   dtype: float16", "qhead_per_kvhead=8,", "return_lse=False,"]),
+        (
+            "gemma2-local",
+            {"window_left": 4096, "window_right": 0, "head_dim": 256, "qhead_per_kvhead": 2, "tile_n": 64},
+            ["SOFTCAP = 50.0", "SCORE_MOD = score_mod"],
+        ),
+        ("mistral-7b", {"window_left": 4096, "window_right": 0, "qhead_per_kvhead": 4}, ["SCORE_MOD = None"]),
+        ("llama3-8b", {"window_left": None, "window_right": 0, "qhead_per_kvhead": 4, "tile_n": 128}, []),
+        ("vit", {"head_dim": 64, "window_left": None, "window_right": None, "kv_stages": 2}, []),
+        ("deepseek-style", {"head_dim": 192, "head_dim_v": 128, "return_lse": True, "window_right": 0}, []),
+        ("qwen-fp16", {"qhead_per_kvhead": 8, "return_lse": False}, ["#   dtype: float16"]),
     ],
 )
-def test_emitted_constants_for_spec_files(stem, snippets):
+def test_emitted_constants_for_spec_files(stem, fields, snippets):
     source = _source(load_spec(SPECS_DIR / f"{stem}.yaml"))
+    config = _config(source)
+    assert {name: getattr(config, name) for name in fields} == fields
     for snippet in snippets:
         assert snippet in source, f"{snippet!r} missing from the {stem} kernel"
 
@@ -272,8 +294,7 @@ def test_softcap_constants_are_exact():
     constants = _module_constants(ast.parse(_source(spec)))
     assert constants["PRE_TANH"] == pytest.approx(1 / 16 / 50, rel=1e-15)
     spec = AttentionSpec(head_dim=64, softmax_scale=0.5)
-    constants = _module_constants(ast.parse(_source(spec)))
-    assert constants["SCALE_LOG2"] == pytest.approx(0.5 / math.log(2), rel=1e-15)
+    assert _config(_source(spec)).scale_log2 == pytest.approx(0.5 / math.log(2), rel=1e-15)
 
 
 @pytest.mark.parametrize("spec", _all_specs())
@@ -283,6 +304,14 @@ def test_emit_is_deterministic(spec):
     second = emit(spec, kernel_plan)
     assert first == second
     assert first.source == second.source == emit(spec, plan(spec, ARCH)).source
+
+
+def test_reasons_do_not_reach_the_source():
+    """The header holds the spec and a one-line plan note: goldens change only when code does."""
+    for spec in (load_spec(SPECS_DIR / "gemma2-local.yaml"), AttentionSpec()):
+        kernel_plan = plan(spec, ARCH)
+        reworded = kernel_plan.model_copy(update={"reasons": {name: "x" for name in kernel_plan.reasons}})
+        assert emit(spec, reworded).source == emit(spec, kernel_plan).source
 
 
 def test_emit_module_name():
@@ -311,14 +340,17 @@ def _stub_import(kernels: dict[str, object]):
     cutlass = types.SimpleNamespace(cute=cute, Float32=_FakeFloat32, Int32=int)
     cuda = types.SimpleNamespace(bindings=types.SimpleNamespace(driver=types.SimpleNamespace(CUstream=object)))
     kernel_module = types.SimpleNamespace(**kernels)
+    config_module = types.SimpleNamespace(Sm90FwdConfig=Sm90FwdConfig)
 
     def fake_import(name, globals=None, locals=None, fromlist=(), level=0):
         if name in ("cutlass", "cutlass.cute"):
             return cutlass
         if name == "cuda.bindings.driver":
             return cuda
-        if name == "fa4gen.kernels.sm90_fwd" and fromlist:
+        if name == "fa4gen.kernels.sm90.fwd" and fromlist:
             return kernel_module
+        if name == "fa4gen.kernels.sm90.config" and fromlist == ("Sm90FwdConfig",):
+            return config_module  # plain pydantic: the real one
         raise ImportError(f"emitted module imports {name!r}")
 
     return fake_import
@@ -330,24 +362,27 @@ def test_emitted_module_runs_with_stubs(spec):
     captured = {}
 
     class FakeKernel:
-        def __init__(self, **kwargs):
-            captured.update(kwargs)
+        def __init__(self, config, score_mod=None, mask_mod=None):
+            captured.update(config=config, score_mod=score_mod, mask_mod=mask_mod)
 
-    namespace = {"__builtins__": {**vars(builtins), "__import__": _stub_import({kernel_plan.kernel: FakeKernel})},
-                 "__name__": "fa4gen_kernel"}
+    namespace = {
+        "__builtins__": {**vars(builtins), "__import__": _stub_import({kernel_plan.kernel: FakeKernel})},
+        "__name__": "fa4gen_kernel",
+    }
     exec(builtins.compile(_source(spec), "k.py", "exec"), namespace)
     kernel = namespace["make_kernel"]()
     assert isinstance(kernel, FakeKernel)
-    assert captured["tile_n"] == kernel_plan.tile_n
-    assert captured["window_left"] == spec.left_bound and captured["window_right"] == spec.right_bound
+    config = captured["config"]
+    assert config == kernel_plan.config and isinstance(config, Sm90FwdConfig)
+    assert (captured["mask_mod"] is not None) == config.expression_mask
     if spec.score_mod is not None:  # expressions: checked by cross-compiling and on the GPU
-        assert captured["score_mod"] is not None and captured["scale_log2"] == LOG2E
+        assert captured["score_mod"] is not None and config.scale_log2 == LOG2E
     elif spec.softcap is None:
         assert captured["score_mod"] is None
-        assert captured["scale_log2"] == spec.scale * LOG2E
+        assert config.scale_log2 == spec.scale * LOG2E
     else:
         score_mod = captured["score_mod"]
-        assert captured["scale_log2"] == LOG2E
+        assert config.scale_log2 == LOG2E
         for s in (-1000.0, -3.0, 0.0, 0.5, 7.0, 1e6):
             want = spec.softcap * math.tanh(s * spec.scale / spec.softcap)
             assert score_mod(s, 0, 0, 0, 0, 1, 1, None) == pytest.approx(want, rel=1e-12, abs=1e-12)
@@ -364,4 +399,5 @@ def test_emitted_module_builds_the_real_kernel_object(spec_path):
     exec(builtins.compile(_source(spec), str(spec_path.stem) + ".py", "exec"), module.__dict__)
     kernel = module.make_kernel()
     assert type(kernel).__name__ == kernel_plan.kernel
-    assert type(kernel).__module__ == "fa4gen.kernels.sm90_fwd"
+    assert type(kernel).__module__ == "fa4gen.kernels.sm90.fwd"
+    assert kernel.cfg == kernel_plan.config

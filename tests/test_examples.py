@@ -39,8 +39,10 @@ def test_ci_warm_script_ships_a_cache_that_loads_without_compiling(tmp_path):
     specs.mkdir()
     (specs / "tiny.yaml").write_text("head_dim: 64\ncausal: true\n")
     archive = tmp_path / "cache.tar.gz"
-    built = _run(["bash", "examples/ci/warm-cache.sh", str(specs), str(archive)],
-                 {"FA4GEN_CACHE_DIR": str(tmp_path / "ci-cache")})
+    built = _run(
+        ["bash", "examples/ci/warm-cache.sh", str(specs), str(archive)],
+        {"FA4GEN_CACHE_DIR": str(tmp_path / "ci-cache")},
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     assert archive.is_file()
     runtime = {"FA4GEN_CACHE_DIR": str(tmp_path / "runtime-cache"), "FA4GEN_NO_COMPILE": "1"}

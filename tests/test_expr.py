@@ -21,8 +21,7 @@ K = torch.arange(SK).view(1, -1)
 SCORE = torch.randn(SQ, SK, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 SLOPES = torch.tensor([0.5, 0.25, 0.125])
 BIAS = torch.randn(3, 2 * SK + 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-ENV = {"score": SCORE, "b": 0, "h": 2, "q_idx": Q, "kv_idx": K, "slope": SLOPES, "bias": BIAS,
-       "window": 3, "cap": 20.0}
+ENV = {"score": SCORE, "b": 0, "h": 2, "q_idx": Q, "kv_idx": K, "slope": SLOPES, "bias": BIAS, "window": 3, "cap": 20.0}
 AUX = {"slope": AuxTensor("float", 1), "bias": AuxTensor("float", 2)}
 SCALARS = {"window": "int", "cap": "float"}
 
@@ -34,8 +33,7 @@ def _parse(text, **kw):
 ACCEPTED = [
     ("score - slope[h] * abs(q_idx - kv_idx)", "float", SCORE - SLOPES[2] * (Q - K).abs()),
     ("cap * tanh(score / cap)", "float", 20.0 * torch.tanh(SCORE / 20.0)),
-    ("score + bias[h, min(max(q_idx - kv_idx + 11, 0), 22)]", "float",
-     SCORE + BIAS[2, (Q - K + 11).clamp(0, 22)]),
+    ("score + bias[h, min(max(q_idx - kv_idx + 11, 0), 22)]", "float", SCORE + BIAS[2, (Q - K + 11).clamp(0, 22)]),
     ("where(kv_idx <= q_idx, score, score * 0.5)", "float", torch.where(K <= Q, SCORE, SCORE * 0.5)),
     ("exp2(score) + exp(-score) - log(2.0)", "float", torch.exp2(SCORE) + torch.exp(-SCORE) - math.log(2.0)),
     ("(q_idx // 4) == (kv_idx // 4) and kv_idx <= q_idx", "bool", ((Q // 4) == (K // 4)) & (K <= Q)),
@@ -136,9 +134,16 @@ def _compile_rendered(tmp_path, functions: dict[str, str]):
         "    q_idx = Int32(tidx // 8); kv_idx = Int32(tidx % 8); s = Float32(tidx) * Float32(0.01)",
     ]
     for i, name in enumerate(functions):
-        lines.append(f"    out[tidx, {i}] = Float32({name}(s, Int32(0), Int32(1), q_idx, kv_idx, slope, Float32(20.0)))")
-    lines += ["", "@cute.jit", "def launch(out: cute.Tensor, slope: cute.Tensor):",
-              "    apply(out, slope).launch(grid=(1, 1, 1), block=(64, 1, 1))", ""]
+        lines.append(
+            f"    out[tidx, {i}] = Float32({name}(s, Int32(0), Int32(1), q_idx, kv_idx, slope, Float32(20.0)))"
+        )
+    lines += [
+        "",
+        "@cute.jit",
+        "def launch(out: cute.Tensor, slope: cute.Tensor):",
+        "    apply(out, slope).launch(grid=(1, 1, 1), block=(64, 1, 1))",
+        "",
+    ]
     path = tmp_path / "rendered_module.py"
     path.write_text("\n".join(lines))
     spec = importlib.util.spec_from_file_location("rendered_module", path)

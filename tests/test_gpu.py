@@ -9,11 +9,19 @@ error bound is 2x PyTorch's own error in the input dtype (fa4gen.testing).
 from __future__ import annotations
 
 import pytest
+from gpu_cases import (
+    SHAPES,
+    gpu_specs,
+    keyless_cases,
+    pair_tail_specs,
+    plan_option_cases,
+    split_tail_cases,
+    variant_inputs,
+    variant_specs,
+)
 
 import fa4gen
 from fa4gen.testing import assert_close_to_reference
-from gpu_cases import (SHAPES, gpu_specs, keyless_cases, pair_tail_specs, plan_option_cases, split_tail_cases,
-                       variant_inputs, variant_specs)
 
 pytestmark = pytest.mark.gpu
 
@@ -69,12 +77,15 @@ def test_matches_reference(name, shape):
         assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
 
 
-@pytest.mark.parametrize("name, tiles", [
-    ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144)}),
-    ("dense-gqa2+lse", {"main": (128, 128), "long": (128, 128)}),
-    ("vit+lse", {"main": (192, 128), "short": (256, 64), "long": (192, 128)}),
-    ("d64-causal-gqa2+lse", {"main": (192, 128), "short": (256, 64)}),
-])
+@pytest.mark.parametrize(
+    "name, tiles",
+    [
+        ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144)}),
+        ("dense-gqa2+lse", {"main": (128, 128), "long": (128, 128)}),
+        ("vit+lse", {"main": (192, 128), "short": (256, 64), "long": (192, 128)}),
+        ("d64-causal-gqa2+lse", {"main": (192, 128), "short": (256, 64)}),
+    ],
+)
 def test_each_length_range_runs_its_plan(name, tiles):
     """The default callable carries the planner's kernels for ranges of query lengths (d96:
     128-row tiles for short sequences and 144-key tiles for long ones; d64: 4 consumer
@@ -87,8 +98,10 @@ def test_each_length_range_runs_its_plan(name, tiles):
     splits = seqlen_splits(spec, "sm_90a")
     attn = fa4gen.compile(spec)
     assert [(s.split, s.kernel.plan) for s in attn.splits] == [(split, split.plan) for split in splits]
-    assert {"main": (attn.plan.tile_m, attn.plan.tile_n),
-            **{s.label: (s.plan.tile_m, s.plan.tile_n) for s in splits}} == tiles
+    assert {
+        "main": (attn.plan.config.tile_m, attn.plan.config.tile_n),
+        **{s.label: (s.plan.config.tile_m, s.plan.config.tile_n) for s in splits},
+    } == tiles
     for split in splits:
         edge = split.max_seqlen_q if split.max_seqlen_q is not None else split.min_seqlen_q - 1
         for seqlen_q in (edge, edge + 1):
@@ -187,8 +200,18 @@ LATE_GROWTH_SHAPES = [(2, 1000, 1000), (1, 1000, 1127), (1, 1100, 1163), (1, 777
 
 @pytest.mark.parametrize("shape", LATE_GROWTH_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
 @pytest.mark.parametrize("growth", sorted(LATE_GROWTH))
-@pytest.mark.parametrize("name", ["d64-causal-gqa2+lse", "vit+lse", "dense-gqa2+lse", "phi3-mini+lse",
-                                  "d256-causal-gqa2+lse", "window-relbias-softcap+lse", "alibi-mpt+lse"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "d64-causal-gqa2+lse",
+        "vit+lse",
+        "dense-gqa2+lse",
+        "phi3-mini+lse",
+        "d256-causal-gqa2+lse",
+        "window-relbias-softcap+lse",
+        "alibi-mpt+lse",
+    ],
+)
 def test_running_max_growing_late(name, growth, shape):
     """Scores far above the first tiles' in the last key tiles: the online softmax's rescale
     (and a stale max's regrowth or recomputation) still matches the reference."""
@@ -204,13 +227,14 @@ OPTION_CASES = plan_option_cases()
 TAIL_CASES = pair_tail_specs()
 
 
-@pytest.mark.parametrize("shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17), (2, 300, 1280)],
-                         ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(2, 1000, 1000), (1, 17, 700), (3, 700, 17), (2, 300, 1280)], ids=lambda s: "b{}-sq{}-sk{}".format(*s)
+)
 @pytest.mark.parametrize("name", sorted(OPTION_CASES))
 def test_plan_option_paths(name, shape):
-    """Every plan option away from its default (serial schedule, ping-pong, persistence, tile
-    order, O staging, Q buffers, P staging, warpgroup count, exp2 split, rescale threshold)
-    still matches the reference."""
+    """Every plan option away from its default (ping-pong, mask runs, tile order, split tail,
+    O staging, Q buffers and barriers, P staging, warpgroup count, rescale threshold, stale max,
+    key-tile size, chained tiles) still matches the reference."""
     import torch
 
     spec, kernel_plan = OPTION_CASES[name]
@@ -232,7 +256,7 @@ def test_causal_pairs_then_tail_on_few_ctas(monkeypatch, ctas, name):
     heaviest-first tail of single tiles."""
     spec, seqlen = TAIL_CASES[name]
     attn = fa4gen.compile(spec)
-    assert attn.plan.tile_order == "paired" and attn.plan.pair_tail_rounds > 0
+    assert attn.plan.config.tile_order == "paired" and attn.plan.config.pair_tail_rounds > 0
     monkeypatch.setattr(fa4gen.runtime, "multiprocessor_count", lambda device: ctas)
     q, k, v = _inputs(spec, 2, seqlen, seqlen, seed=5)
     out, lse = _run_poisoned(spec, attn, q, k, v, {})
@@ -264,16 +288,19 @@ KEYLESS_CASES = keyless_cases()
 def test_o_over_v_through_runs_of_keyless_tiles(monkeypatch, name, ctas):
     """More queries than keys on few CTAs: each CTA ends with a run of query tiles whose rows see
     no key (bottom-right causal), where nothing on K/V keeps warpgroup 0 from running ahead of
-    warpgroup 1, whose O store it orders by a barrier per tile parity (sm90_epilogue.o_tile_over_v;
+    warpgroup 1, whose O store it orders by a barrier per tile parity (sm90.epilogue.o_tile_over_v;
     two tiles ahead, it would arrive at its barrier twice). Launch after launch matches the reference."""
     spec, kernel_plan = KEYLESS_CASES[name]
     attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
-    assert attn.plan.o_staging == "over_v"
+    assert attn.plan.config.o_staging == "over_v"
     _launches_on_ctas(monkeypatch, spec, attn, (2, 1500, 100), ctas, repeats=2)
 
 
-@pytest.mark.parametrize("shape", [(2, 1000, 1000), (3, 300, 2000), (1, 4100, 300), (2, 1000, 17), (8, 2000, 2000)],
-                         ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1000, 1000), (3, 300, 2000), (1, 4100, 300), (2, 1000, 17), (8, 2000, 2000)],
+    ids=lambda s: "b{}-sq{}-sk{}".format(*s),
+)
 @pytest.mark.parametrize("ctas", [3, 7, 30, 132])
 @pytest.mark.parametrize("name", sorted(SPLIT_CASES))
 def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
@@ -283,38 +310,42 @@ def test_split_tail_on_few_ctas(monkeypatch, name, ctas, shape):
     would hand a later finisher a stale partial)."""
     spec, kernel_plan = SPLIT_CASES[name]
     attn = fa4gen.compile(spec, kernel_plan=kernel_plan)
-    assert attn.kernel_for(shape[1]).plan.split_tail
+    assert attn.kernel_for(shape[1]).plan.config.split_tail
     _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=8)
 
 
-@pytest.mark.parametrize("shape", [(3, 700, 1000), (2, 1000, 300), (2, 300, 200), (2, 1000, 17)],
-                         ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(3, 700, 1000), (2, 1000, 300), (2, 300, 200), (2, 1000, 17)], ids=lambda s: "b{}-sq{}-sk{}".format(*s)
+)
 @pytest.mark.parametrize("ctas", [1, 3, 7])
 def test_chained_tiles_on_few_ctas(monkeypatch, ctas, shape):
-    """The chained d128 kernel (Plan.chain_query_tiles) on fewer CTAs than query tiles: each CTA
+    """The chained d128 kernel (config.chain_query_tiles) on fewer CTAs than query tiles: each CTA
     holds tile after tile across heads and batch entries. Where a tile visits 3 key tiles or
     more, the producer publishes the next tile with its Q one key tile in (q_ahead: 8 and 3 key
     tiles here); with 2 or 1 the next tile's own loads do. Launched again, bit-identical. (The
     chained kernel with LSE on few CTAs: the split tail's "d128-gqa2-chained" case.)"""
     spec = CASES["dense-gqa2"]
     attn = fa4gen.compile(spec)
-    kernel_plan = attn.kernel_for(shape[1]).plan
-    assert kernel_plan.chain_query_tiles and kernel_plan.q_stages == 2 and not kernel_plan.split_tail
+    config = attn.kernel_for(shape[1]).plan.config
+    assert config.chain_query_tiles and config.q_stages == 2 and not config.split_tail
     _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=2)
 
 
-@pytest.mark.parametrize("name, shape", [
-    ("dense-gqa2+lse", (2, 4100, 4200)),  # d128: 33 key tiles of 128, at least the plan's minimum (32)
-    ("vit+lse", (2, 2100, 2150)),  # d64: from 2048 query rows, 17 key tiles (the minimum is 16)
-])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("dense-gqa2+lse", (2, 4100, 4200)),  # d128: 33 key tiles of 128, at least the plan's minimum (32)
+        ("vit+lse", (2, 2100, 2150)),  # d64: from 2048 query rows, 17 key tiles (the minimum is 16)
+    ],
+)
 @pytest.mark.parametrize("ctas", [7, 30])
 def test_long_launches_split_their_tail_as_planned(monkeypatch, ctas, name, shape):
     """The planner's own long-range kernel (split tail from its minimum of key tiles), launched
     on a few CTAs with enough key tiles to split, repeatedly: every output matches the first."""
     spec = CASES[name]
     attn = fa4gen.compile(spec)
-    kernel_plan = attn.kernel_for(shape[1]).plan
-    assert kernel_plan.split_tail and -(-shape[2] // kernel_plan.tile_n) >= kernel_plan.split_tail_min_key_tiles
+    config = attn.kernel_for(shape[1]).plan.config
+    assert config.split_tail and -(-shape[2] // config.tile_n) >= config.split_tail_min_key_tiles
     _launches_on_ctas(monkeypatch, spec, attn, shape, ctas, repeats=3)
 
 

@@ -67,7 +67,7 @@ def test_accepted_hostile_comments_never_reach_the_module(tmp_path, monkeypatch)
     target = tmp_path / "PWNED"
     monkeypatch.syspath_prepend(str(tmp_path))
     for index, spec in enumerate(_accepted_specs(target)):
-        text = (spec.mask.expr if spec.mask is not None else spec.score_mod.expr)
+        text = spec.mask.expr if spec.mask is not None else spec.score_mod.expr
         assert "#" not in text and SENTINEL not in text and "import" not in text
         emitted = emit(spec, plan(spec, "sm_90a"), module_name=f"fa4gen_hostile_{index}")
         assert emitted.source.isascii()
@@ -91,23 +91,47 @@ def _rejected_cases() -> list[tuple[str, dict, str]]:
         ("str constant", {"mask": {"kind": "expression", "expr": '"""x"""'}}, "literal"),
         ("attribute", {"mask": {"kind": "expression", "expr": "q_idx.__class__ == 1"}}, "Attribute"),
         ("lambda", {"score_mod": {"kind": "expression", "expr": "(lambda: score)()"}}, "where, min"),
-        ("code after a comment", {"mask": {"kind": "expression", "expr": "q_idx >= kv_idx # x\\\n__import__('os')"}},
-         "not a valid expression"),
-        ("carriage return", {"mask": {"kind": "expression", "expr": "q_idx >= kv_idx # x\r__import__('os')"}},
-         "not a valid expression"),
+        (
+            "code after a comment",
+            {"mask": {"kind": "expression", "expr": "q_idx >= kv_idx # x\\\n__import__('os')"}},
+            "not a valid expression",
+        ),
+        (
+            "carriage return",
+            {"mask": {"kind": "expression", "expr": "q_idx >= kv_idx # x\r__import__('os')"}},
+            "not a valid expression",
+        ),
         ("too long", {"score_mod": {"kind": "expression", "expr": "score  # " + "x" * 5000}}, "longer than 2000"),
-        ("fullwidth aux", {"aux": {"bias": bias16["bias"], "ｂias": bias16["bias"]},
-                           "score_mod": {"kind": "expression", "expr": "score + bias[0]"}}, "Python reads it as 'bias'"),
-        ("fullwidth scalar", {"scalars": {"ｂ": "float32"}, "score_mod": {"kind": "expression", "expr": "score + b"}},
-         "Python reads it as 'b'"),
+        (
+            "fullwidth aux",
+            {
+                "aux": {"bias": bias16["bias"], "ｂias": {"dtype": "float32", "shape": [16]}},
+                "score_mod": {"kind": "expression", "expr": "score + bias[0]"},
+            },
+            "Python reads it as 'bias'",
+        ),
+        (
+            "fullwidth scalar",
+            {"scalars": {"ｂ": "float32"}, "score_mod": {"kind": "expression", "expr": "score + b"}},
+            "Python reads it as 'b'",
+        ),
         ("keyword scalar", {"scalars": {"class": "float32"}}, "not a Python keyword"),
         ("dunder aux", {"aux": {"__class__": bias16["bias"]}}, "does not start with _"),
-        ("index past dim", {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[100]"}},
-         "index 100 of bias (dim 0) is out of range: the dim has size 16"),
-        ("negative index", {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[-5]"}},
-         "index -5 of bias (dim 0) is negative"),
-        ("folded index", {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[4 * 4]"}},
-         "index 16 of bias (dim 0) is out of range"),
+        (
+            "index past dim",
+            {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[100]"}},
+            "index 100 of bias (dim 0) is out of range: the dim has size 16",
+        ),
+        (
+            "negative index",
+            {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[-5]"}},
+            "index -5 of bias (dim 0) is negative",
+        ),
+        (
+            "folded index",
+            {"aux": bias16, "score_mod": {"kind": "expression", "expr": "score + bias[4 * 4]"}},
+            "index 16 of bias (dim 0) is out of range",
+        ),
     ]
 
 
@@ -125,13 +149,16 @@ def test_the_issue_yaml_compiles_through_the_cli_without_running_anything(tmp_pa
     target = tmp_path / "PWNED"
     path = tmp_path / "hostile.yaml"
     path.write_text(
-        "head_dim: 128\n"
-        f"mask: {{kind: expression, expr: 'q_idx >= kv_idx  # \"\"\" + {_payload(target)} + \"\"\"'}}\n"
+        f'head_dim: 128\nmask: {{kind: expression, expr: \'q_idx >= kv_idx  # """ + {_payload(target)} + """\'}}\n'
     )
     env = {**os.environ, "FA4GEN_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-m", "fa4gen.cli", "compile", str(path), "--arch", "sm_90a"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert not target.exists()

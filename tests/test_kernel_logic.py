@@ -3,7 +3,7 @@ these tests call the kernel's own scheduler, tile bounds, key-tile order and mas
 no copy of the logic) and check them against brute force.
 
 - Schedules: every order hands out every (query tile, head, batch) exactly once, for persistent
-  grids of any size and for one CTA per unit, with the structure each order promises.
+  grids of any size (as many CTAs as work units too), with the structure each order promises.
 - Key tiles: for every structural mask, the key tiles a query tile visits are exactly the ones
   holding a key one of its rows sees (fa4gen.testing.visible_keys, written independently), each
   once, in the promised order; every tile that is not fully visible runs the mask code, and a
@@ -14,21 +14,19 @@ no copy of the logic) and check them against brute force.
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import cutlass
 import cutlass.cute as cute
+import pytest
+import torch
 from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack
 
 import fa4gen
-from fa4gen.kernels.layout import rows_cols_view
-from fa4gen.kernels.scheduler import TileScheduler
-from fa4gen.planner import NO_SPLIT_TAIL
-from fa4gen.sm90_tables import PAIR_TAIL_MIN_TILES
-from fa4gen.kernels.sm90_epilogue import TileInfo
-from fa4gen.kernels.variant import VariantArgs
+from fa4gen.kernels.common.layout import rows_cols_view
+from fa4gen.kernels.common.scheduler import TileScheduler
+from fa4gen.kernels.common.variant import VariantArgs
+from fa4gen.kernels.sm90.state import LaunchSizes
+from fa4gen.planner.sm90_tables import PAIR_TAIL_MIN_TILES
 from fa4gen.runtime import document_tables
 from fa4gen.testing import visible_keys
 from fa4gen.variants import lower
@@ -41,8 +39,15 @@ def _store_row(out: cute.Tensor, row: Int32, values: tuple):
         out[row, j] = values[j]
 
 
-def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int, grid: int, seqlen_k: int,
-          row_bytes: int = 512, order: torch.Tensor | None = None) -> torch.Tensor:
+def _walk(
+    scheduler: TileScheduler,
+    num_m_blocks: int,
+    heads: int,
+    batches: int,
+    grid: int,
+    seqlen_k: int,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(cta, item, m_block, head, batch, tile, rank) of every valid item of every CTA, in issue
     order (``order``: the ranking of a ranked scheduler, the kernel's first column of it)."""
     units = num_m_blocks * heads * batches
@@ -52,18 +57,25 @@ def _walk(scheduler: TileScheduler, num_m_blocks: int, heads: int, batches: int,
     order = order.view(-1, 1).contiguous()
 
     @cute.jit
-    def run(out: cute.Tensor, order: cute.Tensor, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32,
-            grid: Int32, seqlen_k: Int32):
+    def run(
+        out: cute.Tensor,
+        order: cute.Tensor,
+        num_m_blocks: Int32,
+        num_heads: Int32,
+        num_batches: Int32,
+        grid: Int32,
+        seqlen_k: Int32,
+    ):
         heads_batches = num_heads * num_batches
         pairs = scheduler.pairs_now(seqlen_k)
-        group = scheduler.head_group(seqlen_k, heads_batches, row_bytes)
         items = scheduler.items_per_cta(num_m_blocks, heads_batches, grid, pairs)
         for cta in cutlass.range(grid, unroll=1):
             for item in cutlass.range(items, unroll=1):
                 tile = scheduler.tile_of(item, cta, num_m_blocks, heads_batches, grid, pairs)
                 if scheduler.valid(tile, num_m_blocks, heads_batches, grid, pairs):
-                    m_block, head, batch, rank = scheduler.decode(tile, num_m_blocks, num_heads, num_batches, grid,
-                                                                  pairs, group, order)
+                    m_block, head, batch, rank = scheduler.decode(
+                        tile, num_m_blocks, num_heads, num_batches, grid, pairs, order
+                    )
                     _store_row(out, cta * items + item, (cta, item, m_block, head, batch, tile, rank))
 
     run(from_dlpack(out), from_dlpack(order), num_m_blocks, heads, batches, grid, seqlen_k)
@@ -81,10 +93,10 @@ SIZES = [(6, 4, 2), (7, 3, 1), (1, 5, 3), (33, 2, 2), (4, 1, 1)]  # (query tiles
 
 @pytest.mark.parametrize("order", ["head_major", "heavy_first", "paired"])
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
-@pytest.mark.parametrize("grid", [1, 5, 132, 0], ids=lambda g: f"grid{g}" if g else "one-shot")
+@pytest.mark.parametrize("grid", [1, 5, 132, 0], ids=lambda g: f"grid{g}" if g else "grid-units")
 def test_every_order_hands_out_every_tile_once(order, size, grid):
     """Persistent grids smaller and larger than the work, and one CTA per unit (grid 0 here:
-    as many CTAs as work units, as a one-shot launch has)."""
+    as many CTAs as work units)."""
     scheduler = TileScheduler(order)
     m, h, b = size
     if grid == 0:
@@ -136,9 +148,11 @@ def test_paired_tail_only_with_many_query_tiles(size, grid):
     assert torch.equal(with_tail, _walk(TileScheduler("paired"), m, h, b, grid, seqlen_k=1000))
 
 
-@pytest.mark.parametrize("size, grid", [((86, 32, 1), 132), ((43, 32, 2), 132), ((128, 16, 1), 132),
-                                        ((43, 21, 2), 132), ((64, 10, 2), 132)],
-                         ids=["d64-16k", "d64-8k", "d128-16k", "d96-8k", "d192-8k"])
+@pytest.mark.parametrize(
+    "size, grid",
+    [((86, 32, 1), 132), ((43, 32, 2), 132), ((128, 16, 1), 132), ((43, 21, 2), 132), ((64, 10, 2), 132)],
+    ids=["d64-16k", "d64-8k", "d128-16k", "d96-8k", "d192-8k"],
+)
 def test_paired_tail_balances_the_last_round(size, grid):
     """The grid's causal cells on 132 SMs: work per CTA (query tile m costs m + 1 key tiles)
     within 2% of an even split with the tail, and below whole rounds of pairs (2.3-5.5% over it)."""
@@ -180,15 +194,28 @@ def _walk_split(num_m_blocks: int, heads: int, grid: int, n_keys: int, min_keys:
     return out[out[:, 0] >= 0]
 
 
-@pytest.mark.parametrize("size, grid, n_keys", [
-    ((128, 16), 132, 128), ((32, 64), 132, 32), ((8, 256), 132, 8), ((86, 32), 132, 86), ((22, 128), 132, 22),
-    ((7, 3), 5, 1), ((7, 3), 5, 9), ((33, 4), 7, 33), ((5, 5), 7, 3), ((4, 1), 5, 6), ((12, 11), 132, 17)],
-    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "size, grid, n_keys",
+    [
+        ((128, 16), 132, 128),
+        ((32, 64), 132, 32),
+        ((8, 256), 132, 8),
+        ((86, 32), 132, 86),
+        ((22, 128), 132, 22),
+        ((7, 3), 5, 1),
+        ((7, 3), 5, 9),
+        ((33, 4), 7, 33),
+        ((5, 5), 7, 3),
+        ((4, 1), 5, 6),
+        ((12, 11), 132, 17),
+    ],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
 def test_split_tail_runs_every_key_tile_once_in_equal_runs(size, grid, n_keys):
     """Every (tile, key tile) once; the items before the split tail are whole tiles; the tail
     gives every CTA a run within one key tile of the others; a cut tile has one writer (its last
     key tiles, the first item of CTA c + 1's tail) and one finisher (its first key tiles, the
-    last item of CTA c): the slot protocol of fa4gen.kernels.sm90_split."""
+    last item of CTA c): the slot protocol of fa4gen.kernels.sm90.split."""
     m, h = size
     units = m * h
     walked = _walk_split(m, h, grid, n_keys).tolist()
@@ -230,47 +257,6 @@ def test_split_tail_only_with_enough_key_tiles():
     assert (_walk_split(32, 64, 132, 32, min_keys=32)[:, 3] > 0).any()
 
 
-@pytest.mark.parametrize("interleave", [2, 3])
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: "m{}-h{}-b{}".format(*s))
-def test_head_major_interleaves_groups_of_heads(interleave, size):
-    """Head-major with interleaved heads: one CTA's walk (grid 1) is the tile order itself. Heads
-    go in groups of ``interleave`` (the last one narrower), one group after the other; within a
-    group the query tiles rise with the head fastest."""
-    m, h, b = size
-    walked = _walk(TileScheduler("head_major", interleave=interleave), m, h, b, grid=1, seqlen_k=1000)
-    _assert_every_tile_once(walked, m, h, b)
-    head_batch = (walked[:, 4] * h + walked[:, 3]).tolist()
-    expected = []
-    for first in range(0, h * b, interleave):
-        width = min(interleave, h * b - first)
-        expected += [(q, first + i) for q in range(m) for i in range(width)]
-    assert list(zip(walked[:, 2].tolist(), head_batch)) == expected
-
-
-@pytest.mark.parametrize("qhead_per_kvhead", [1, 2])
-@pytest.mark.parametrize("seqlen_k", [1000, 3000, 100000])
-def test_heavy_first_head_groups_fit_the_budget(qhead_per_kvhead, seqlen_k):
-    """Heads go in groups of whole KV heads whose K/V (row_bytes per key) fits the budget; the
-    group is the slowest digit, then the query tile from the heaviest, then the head; the last
-    group may be narrower."""
-    row_bytes, budget_heads = 512, 3
-    scheduler = TileScheduler("heavy_first", group_bytes=budget_heads * 1000 * row_bytes,
-                              qhead_per_kvhead=qhead_per_kvhead)
-    m, heads, batches = 5, 4 * qhead_per_kvhead, 2
-    walked = _walk(scheduler, m, heads, batches, grid=1, seqlen_k=seqlen_k, row_bytes=row_bytes)
-    _assert_every_tile_once(walked, m, heads, batches)
-    heads_batches = heads * batches
-    group = min(max(budget_heads * 1000 // seqlen_k, 1) * qhead_per_kvhead, heads_batches)
-    head_batch = (walked[:, 4] * heads + walked[:, 3]).tolist()
-    groups = [hb // group for hb in head_batch]
-    assert groups == sorted(groups)  # one group after the other
-    for g in set(groups):
-        ranks = [m - 1 - mb for mb, gg in zip(walked[:, 2].tolist(), groups) if gg == g]
-        assert ranks == sorted(ranks)
-        width = min(group, heads_batches - g * group)
-        assert len(ranks) == width * m
-
-
 def test_ranked_heavy_first_follows_the_given_order():
     """Packed documents: the query tiles come in the order of the run-time ranking."""
     order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
@@ -306,6 +292,8 @@ def test_window_pairs_only_while_the_window_cuts_no_row(seqlen_k, pairs):
 
 # ----------------------------------------------------------------------------- key tiles
 MAX_EXTRAS = 4  # run-time tensors of the structural masks: documents have four
+
+
 def _kernel(spec: fa4gen.AttentionSpec, plan: fa4gen.Plan):
     """The kernel object exactly as the emitted module builds it."""
     namespace: dict = {}
@@ -329,22 +317,35 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
     visit = torch.full((batches * num_m, num_n), -1, dtype=torch.int32)
     masked = torch.full((batches * num_m, num_n), -1, dtype=torch.int32)
     bounds = torch.full((batches * num_m, 2 + kernel.num_consumers), -1, dtype=torch.int32)
-    row_bytes = (kernel.dqk + kernel.dv) * 2
 
     count, padded = len(extras), _padded(extras)
 
     @cute.jit
-    def run(visit: cute.Tensor, masked: cute.Tensor, bounds: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32,
-            num_batches: Int32, e0: cute.Tensor, e1: cute.Tensor, e2: cute.Tensor, e3: cute.Tensor):
-        sizes = TileInfo(seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=1, num_batches=num_batches,
-                         num_m_blocks=cute.ceil_div(seqlen_q, kernel.tile_m),
-                         args=VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count]))
-        sizes.heads_batches = num_batches
-        sizes.grid = 1
-        sizes.n_keys = cutlass.max(cute.ceil_div(seqlen_k, kernel.tile_n), 1)
-        sizes.pairs = kernel.scheduler.pairs_now(seqlen_k)
-        sizes.group = kernel.scheduler.head_group(seqlen_k, sizes.heads_batches, row_bytes)
-        # one CTA: whole rounds only, so a split tail never cuts a tile here
+    def run(
+        visit: cute.Tensor,
+        masked: cute.Tensor,
+        bounds: cute.Tensor,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        num_batches: Int32,
+        e0: cute.Tensor,
+        e1: cute.Tensor,
+        e2: cute.Tensor,
+        e3: cute.Tensor,
+    ):
+        # as launch_sizes, on one CTA (whole rounds only, so a split tail never cuts a tile here)
+        sizes = LaunchSizes(
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            num_heads=1,
+            num_batches=num_batches,
+            num_m_blocks=cute.ceil_div(seqlen_q, kernel.tile_m),
+            heads_batches=num_batches,
+            n_keys=cutlass.max(cute.ceil_div(seqlen_k, kernel.tile_n), 1),
+            grid=1,
+            pairs=kernel.scheduler.pairs_now(seqlen_k),
+            args=VariantArgs(kernel.cfg.extra_names, (e0, e1, e2, e3)[:count]),
+        )
         items = kernel.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs, sizes.n_keys)
         for item in cutlass.range(items, unroll=1):
             tile = kernel.scheduler.tile_of(item, 0, sizes.num_m_blocks, sizes.heads_batches, 1, sizes.pairs)
@@ -355,13 +356,14 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                 bounds[row, 1] = t.n_max
                 if cutlass.const_expr(kernel.skips_masked_tiles):  # as consume_tile: per warpgroup
                     for wg in cutlass.range_constexpr(kernel.num_consumers):
-                        end = kernel.key_tiles.rows_tile_end(t.m_block * kernel.tile_m + wg * 64, t.batch, seqlen_q,
-                                                             seqlen_k, sizes.args)
+                        end = kernel.key_tiles.rows_tile_end(
+                            t.m_block * kernel.tile_m + wg * 64, t.batch, seqlen_q, seqlen_k, sizes.args
+                        )
                         bounds[row, 2 + wg] = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
                 for i in cutlass.range(t.n_count, unroll=1):
                     n_block = kernel.key_block(t, i, sizes.args)
                     visit[row, i] = n_block
-                    # as sm90_mainloop: the start compare where the tile lies below split_lo (the
+                    # as sm90.mainloop: the start compare where the tile lies below split_lo (the
                     # first tile and tiles under a run-time flag); the first tile runs the mask
                     # unless the kernel may leave it out and the tile lies below split_hi
                     by_tile = Int32(1)
@@ -371,11 +373,11 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                     flag = Int32(0)
                     if i == 0:
                         flag = by_tile
-                        if cutlass.const_expr(kernel.interior_first_tile):
+                        if cutlass.const_expr(kernel.cfg.interior_first_tile):
                             if n_block < t.split_hi:
                                 if n_block >= t.split_lo:
                                     flag = Int32(0)
-                    if cutlass.const_expr(kernel.mask_runs):  # the run the tile falls in decides
+                    if cutlass.const_expr(kernel.cfg.mask_runs):  # the run the tile falls in decides
                         right_end, left_start = kernel.mask_run_bounds(t, 0)
                         if cutlass.const_expr(kernel.has_right_mask):
                             if i > 0:
@@ -388,8 +390,15 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                         flag = by_tile
                     masked[row, i] = flag
 
-    run(from_dlpack(visit), from_dlpack(masked), from_dlpack(bounds), seqlen_q, seqlen_k, batches,
-        *(from_dlpack(value) for value in padded))
+    run(
+        from_dlpack(visit),
+        from_dlpack(masked),
+        from_dlpack(bounds),
+        seqlen_q,
+        seqlen_k,
+        batches,
+        *(from_dlpack(value) for value in padded),
+    )
     return visit, masked, bounds
 
 
@@ -398,7 +407,8 @@ def _extras(spec: fa4gen.AttentionSpec, kernel, seqlen_q: int, batches: int, arg
     values = dict(args)
     if spec.is_varlen:  # the callable's tables (checked here against visible_keys, written apart)
         values["doc_key_ranges"], values["doc_tiles"] = document_tables(
-            spec, kernel.tile_m, kernel.tile_n, args["cu_seqlens_q"], args["cu_seqlens_k"], seqlen_q)
+            spec, kernel.tile_m, kernel.tile_n, args["cu_seqlens_q"], args["cu_seqlens_k"], seqlen_q
+        )
     return tuple(values[extra.name] for extra in lower(spec).extras)
 
 
@@ -411,26 +421,25 @@ def _case_arguments(spec: fa4gen.AttentionSpec, seqlen_q: int, seqlen_k: int) ->
     if spec.is_varlen:
         q_docs, k_docs = [seqlen_q // 2, 0, seqlen_q - seqlen_q // 2 - 5, 5], [seqlen_k // 3, 7, 0]
         k_docs.append(seqlen_k - sum(k_docs))
-        return 1, {name: torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
-                   for name, docs in (("cu_seqlens_q", q_docs), ("cu_seqlens_k", k_docs))}
+        return 1, {
+            name: torch.tensor([0] + list(torch.tensor(docs).cumsum(0)), dtype=torch.int32)
+            for name, docs in (("cu_seqlens_q", q_docs), ("cu_seqlens_k", k_docs))
+        }
     return 1, {}
 
 
 KEY_TILE_CASES = {
     "plain": (dict(head_dim=128), {}),
-    "plain-rotated": (dict(head_dim=128), {"rotate_key_tiles": True, **NO_SPLIT_TAIL}),
-    "plain-d64-rotated": (dict(head_dim=64, softcap=20.0), {"rotate_key_tiles": True, **NO_SPLIT_TAIL}),
     "causal": (dict(head_dim=128, causal=True), {}),
     "causal-d64": (dict(head_dim=64, causal=True), {}),
-    "causal-d64-4wg": (dict(head_dim=64, causal=True),  # the short range's 256-row tiles on 4 warpgroups
-                       {"num_consumer_warpgroups": 4, "tile_m": 256, "tile_n": 64, "kv_stages": 4,
-                        "producer_regs": 24, "consumer_regs": 112}),
+    "causal-d64-4wg": (
+        dict(head_dim=64, causal=True),  # the short range's 256-row tiles on 4 warpgroups
+        {"num_consumer_warpgroups": 4, "tile_n": 64, "kv_stages": 4, "producer_regs": 24, "consumer_regs": 112},
+    ),
     "causal-d256": (dict(head_dim=256, causal=True), {}),
     "window": (dict(head_dim=128, window_left=200, window_right=30), {}),
     "window-left-only": (dict(head_dim=128, window_left=200), {}),
     "causal-window": (dict(head_dim=128, causal=True, window_left=300), {}),
-    "causal-window-groups": (dict(head_dim=128, causal=True, window_left=300),
-                             {"tile_order": "heavy_first", "l2_group_bytes": 600 * 512}),
     "chunked": (dict(head_dim=64, mask={"kind": "chunked", "size": 256}), {}),
     "prefix-lm": (dict(head_dim=128, mask="prefix_lm"), {}),
     "documents": (dict(head_dim=128, causal=True, mask="document"), {}),
@@ -448,7 +457,7 @@ def _walked_key_tiles(name: str, shape: tuple[int, int]):
     the visible keys per (batch, query row), padded with invisible keys to whole key tiles."""
     fields, plan_update = KEY_TILE_CASES[name]
     spec = fa4gen.AttentionSpec(**fields)
-    plan = fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update)
+    plan = fa4gen.plan(spec, "sm_90a").with_config("test case", **plan_update)
     kernel = _kernel(spec, plan)
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
@@ -473,20 +482,17 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
             count = max(n_max - n_min, 0)
             order = visit[row, :count].tolist()
             assert sorted(order) == list(range(n_min, n_max)), (b, m)  # each tile of the range once
-            if plan.rotate_key_tiles:
-                assert order[:1] == [n_max - 1 - m % count] if count else order == []
-            else:
-                assert order == list(range(n_max - 1, n_min - 1, -1))
-            rows = padded[min(b, padded.shape[0] - 1), m * tile_m:(m + 1) * tile_m]
+            assert order == list(range(n_max - 1, n_min - 1, -1))  # from the highest down
+            rows = padded[min(b, padded.shape[0] - 1), m * tile_m : (m + 1) * tile_m]
             if kernel.skips_masked_tiles:  # a warpgroup passes by only tiles none of its rows sees
                 for wg in range(kernel.num_consumers):
                     skip = bounds[row, 2 + wg].item()
                     assert 0 <= skip <= count
-                    mine = rows[wg * 64:(wg + 1) * 64]
+                    mine = rows[wg * 64 : (wg + 1) * 64]
                     for n in order[:skip]:
-                        assert not mine[:, n * tile_n:(n + 1) * tile_n].any(), (m, wg, n)
+                        assert not mine[:, n * tile_n : (n + 1) * tile_n].any(), (m, wg, n)
             for n in range(num_n):
-                tile = rows[:, n * tile_n:(n + 1) * tile_n]
+                tile = rows[:, n * tile_n : (n + 1) * tile_n]
                 if tile.any():
                     assert n in order, f"query tile {m} skips key tile {n}, which holds visible keys"
                 if n in order and not tile.all():
@@ -494,23 +500,24 @@ def test_key_tiles_visited_are_the_visible_ones_and_partial_ones_run_the_mask(na
                 if n in order and masked[row, order.index(n)] == 1:  # the end compare alone: every
                     # row's visible keys in the tile are a prefix of its columns
                     assert torch.equal(tile, tile.int().cumprod(dim=1).bool()), f"query tile {m}: key tile {n}"
-            if plan.stale_max:  # a row meets its first key in the first tile or in mask code
+            if plan.config.stale_max:  # a row meets its first key in the first tile or in mask code
                 _assert_first_keys_in_mask_code(rows, order, masked[row], tile_n, m)
 
 
 def _assert_first_keys_in_mask_code(rows: torch.Tensor, order: list, masked: torch.Tensor, tile_n: int, m: int):
-    """Plan.stale_max: a key tile without mask code exponentiates against the rows' running max,
+    """config.stale_max: a key tile without mask code exponentiates against the rows' running max,
     so every row that sees a key there must have seen one in an earlier visited tile."""
     seen = torch.zeros(rows.shape[0], dtype=torch.bool)
     for i, n in enumerate(order):
-        here = rows[:, n * tile_n:(n + 1) * tile_n].any(dim=1)
+        here = rows[:, n * tile_n : (n + 1) * tile_n].any(dim=1)
         if i > 0 and masked[i] == 0:
             assert not (here & ~seen).any(), f"query tile {m}: a row sees its first key in key tile {n}, no mask code"
         seen |= here
 
 
-@pytest.mark.parametrize("shape", [(1000, 1063), (1100, 1163), (1000, 1127), (700, 828)],
-                         ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(1000, 1063), (1100, 1163), (1000, 1127), (700, 828)], ids=lambda s: "sq{}-sk{}".format(*s)
+)
 @pytest.mark.parametrize("name", ["causal", "causal-d64", "causal-d64-4wg", "causal-window", "chunked", "prefix-lm"])
 def test_rows_meet_their_first_key_in_mask_code_with_a_stale_max(name, shape):
     """Key offsets where a query tile's first row ends its keys at a key tile's top (Sk - Sq =
@@ -518,19 +525,20 @@ def test_rows_meet_their_first_key_in_mask_code_with_a_stale_max(name, shape):
     tiles above, so with a stale max its first key tile runs the mask code (the bound counts it
     as crossed, masking.bounds_of_rows), where the row finds its max."""
     plan, kernel, batches, (visit, masked, bounds), padded = _walked_key_tiles(name, shape)
-    assert plan.stale_max
+    assert plan.config.stale_max
     tile_m, tile_n = kernel.tile_m, kernel.tile_n
     num_m = -(-shape[0] // tile_m)
     for b in range(batches):
         for m in range(num_m):
             row = b * num_m + m
             count = max(bounds[row, 1].item() - bounds[row, 0].item(), 0)
-            rows = padded[min(b, padded.shape[0] - 1), m * tile_m:(m + 1) * tile_m]
+            rows = padded[min(b, padded.shape[0] - 1), m * tile_m : (m + 1) * tile_m]
             _assert_first_keys_in_mask_code(rows, visit[row, :count].tolist(), masked[row], tile_n, m)
 
 
-def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple,
-                   by_document: bool = False) -> torch.Tensor:
+def _masked_scores(
+    kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple, by_document: bool = False
+) -> torch.Tensor:
     """(batches, M * tile_m, N * tile_n): 0 where the kernel's per-thread masking (row_ranges +
     apply on each thread's wgmma C fragment) keeps a score, -inf where it masks it.
     ``by_document``: packed documents' row ranges from each tile's document bounds in the
@@ -540,9 +548,17 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
     count, padded = len(extras), _padded(extras)
 
     @cute.jit
-    def run(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, num_batches: Int32,
-            e0: cute.Tensor, e1: cute.Tensor, e2: cute.Tensor, e3: cute.Tensor):
-        args = VariantArgs(kernel.extra_names, (e0, e1, e2, e3)[:count])
+    def run(
+        out: cute.Tensor,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        num_batches: Int32,
+        e0: cute.Tensor,
+        e1: cute.Tensor,
+        e2: cute.Tensor,
+        e3: cute.Tensor,
+    ):
+        args = VariantArgs(kernel.cfg.extra_names, (e0, e1, e2, e3)[:count])
         num_m_blocks = cute.ceil_div(seqlen_q, kernel.tile_m)
         qk_mma = kernel._make_qk_mma()
         identity = cute.make_identity_tensor((64, kernel.tile_n))
@@ -562,17 +578,21 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
                     row_base = m_block * kernel.tile_m + wg * 64
                     for thread in cutlass.range(128, unroll=1):
                         coords = rows_cols_view(qk_mma.get_slice(thread).partition_C(identity))
-                        starts, ends = kernel.key_tiles.row_ranges(coords, row_base, batch, seqlen_q, seqlen_k, args,
-                                                                   document)
+                        starts, ends = kernel.key_tiles.row_ranges(
+                            coords, row_base, batch, seqlen_q, seqlen_k, args, document
+                        )
                         for n_block in cutlass.range(cute.ceil_div(seqlen_k, kernel.tile_n), unroll=1):
                             scores = cute.make_rmem_tensor(coords.shape, cutlass.Float32)
                             scores.fill(0.0)
-                            kernel.key_tiles.apply(scores, coords, starts, ends, n_block * kernel.tile_n,
-                                                   n_block < split_lo)
+                            kernel.key_tiles.apply(
+                                scores, coords, starts, ends, n_block * kernel.tile_n, n_block < split_lo
+                            )
                             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                                 for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                                    out[(batch * num_m_blocks * kernel.tile_m) + row_base + coords[r, 0][0],
-                                        n_block * kernel.tile_n + coords[0, c][1]] = scores[r, c]
+                                    out[
+                                        (batch * num_m_blocks * kernel.tile_m) + row_base + coords[r, 0][0],
+                                        n_block * kernel.tile_n + coords[0, c][1],
+                                    ] = scores[r, c]
 
     arguments = (from_dlpack(out), seqlen_q, seqlen_k, batches, *(from_dlpack(value) for value in padded))
     cute.compile(run, *arguments, options="--gpu-arch sm_90a")(*arguments)  # wgmma atoms check the arch
@@ -580,22 +600,24 @@ def _masked_scores(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: t
 
 
 @pytest.mark.parametrize("shape", [(1000, 1000), (300, 1000), (129, 129)], ids=lambda s: "sq{}-sk{}".format(*s))
-@pytest.mark.parametrize("name", ["causal", "causal-d64", "window", "chunked", "prefix-lm", "documents",
-                                  "documents-window"])
+@pytest.mark.parametrize(
+    "name", ["causal", "causal-d64", "window", "chunked", "prefix-lm", "documents", "documents-window"]
+)
 def test_per_thread_masking_keeps_exactly_the_visible_scores(name, shape):
     """Every thread's rows and columns of its wgmma fragment (layout.rows_cols_view), the row
     intervals it computes (masking.row_ranges) and the mask it applies (masking.apply), over
     every (query tile, key tile), give exactly fa4gen.testing.visible_keys."""
     fields, plan_update = KEY_TILE_CASES[name]
     spec = fa4gen.AttentionSpec(**fields)
-    kernel = _kernel(spec, fa4gen.plan(spec, "sm_90a").model_copy(update=plan_update))
+    kernel = _kernel(spec, fa4gen.plan(spec, "sm_90a").with_config("test case", **plan_update))
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)[:, 0].expand(batches, -1, -1)
     # documents: both ways to a row's range (a tile inside one document, and the per-row table)
     for by_document in (False, True) if spec.is_varlen else (False,):
-        scores = _masked_scores(kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args),
-                                by_document)
+        scores = _masked_scores(
+            kernel, seqlen_q, seqlen_k, batches, _extras(spec, kernel, seqlen_q, batches, args), by_document
+        )
         kept = scores[:, :seqlen_q, :seqlen_k] == 0
         assert not scores[:, :seqlen_q, :seqlen_k].isnan().any(), "a score no thread holds"
         assert torch.equal(kept, visible), f"by_document={by_document}"

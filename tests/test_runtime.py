@@ -83,8 +83,14 @@ def _none(**given):
 
 
 def test_extras_come_in_kernel_order_with_scalars_converted():
-    spec = fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=2, sinks=True, score_mod="alibi",
-                                scalars={"w": "int32", "s": "float32"}, aux={"t": {"dtype": "float32", "shape": ["Hq", 3]}})
+    spec = fa4gen.AttentionSpec(
+        head_dim=64,
+        qhead_per_kvhead=2,
+        sinks=True,
+        score_mod="alibi",
+        scalars={"w": "int32", "s": "float32"},
+        aux={"t": {"dtype": "float32", "shape": ["Hq", 3]}},
+    )
     q, k = _qk()
     sinks, t = torch.randn(4), torch.randn(4, 3)
     values = variant_arguments(spec, q, k, _none(sinks=sinks), {"t": t, "w": 3, "s": 2})
@@ -103,16 +109,28 @@ def test_extras_come_in_kernel_order_with_scalars_converted():
         ({}, {"sinks": torch.randn(4)}, None, "sinks= was given, but the spec"),
         ({"mask": "prefix_lm"}, {"prefix_lengths": torch.ones(2)}, None, "prefix_lengths must be a torch.int32"),
         ({"score_mod": {"kind": "alibi", "slopes": "tensor"}}, {}, None, "alibi_slopes= is missing"),
-        ({"score_mod": {"kind": "relative_bias", "max_distance": 8}}, {"rel_bias": torch.randn(4, 16)}, None,
-         r"rel_bias must be a torch.float32 tensor of shape \(4, 17\)"),
+        (
+            {"score_mod": {"kind": "relative_bias", "max_distance": 8}},
+            {"rel_bias": torch.randn(4, 16)},
+            None,
+            r"rel_bias must be a torch.float32 tensor of shape \(4, 17\)",
+        ),
         ({"scalars": {"w": "int32"}}, {}, {}, "aux\\['w'\\] is missing"),
         ({"scalars": {"w": "int32"}}, {}, {"w": 1.5}, "scalar w is int32"),
         ({"scalars": {"w": "int32"}}, {}, {"w": True}, "scalar w must be a number"),
         ({"scalars": {"w": "int32"}}, {}, {"w": 2**40}, "scalar w is int32"),
-        ({"aux": {"t": {"dtype": "int32", "shape": ["B", "Sk"]}}}, {}, {"t": torch.zeros(2, 23, dtype=torch.int32)},
-         r"t must be a torch.int32 tensor of shape \(2, 24\) \(B, Sk\)"),
-        ({"aux": {"t": {"dtype": "float32", "shape": [4, 4]}}}, {}, {"t": torch.zeros(4, 8)[:, ::2]},
-         "must be contiguous"),
+        (
+            {"aux": {"t": {"dtype": "int32", "shape": ["B", "Sk"]}}},
+            {},
+            {"t": torch.zeros(2, 23, dtype=torch.int32)},
+            r"t must be a torch.int32 tensor of shape \(2, 24\) \(B, Sk\)",
+        ),
+        (
+            {"aux": {"t": {"dtype": "float32", "shape": [4, 4]}}},
+            {},
+            {"t": torch.zeros(4, 8)[:, ::2]},
+            "must be contiguous",
+        ),
         ({}, {}, {"nope": 1}, "aux has nope, which the spec does not declare"),
     ],
 )
@@ -176,15 +194,17 @@ def test_document_query_tiles_are_ranked_by_work():
     spec = fa4gen.AttentionSpec(head_dim=128, mask="document", causal=True)
     plan = fa4gen.plan(spec)
     kernel = AttentionKernel(spec, plan, function=None)
-    doc = 4 * plan.tile_m  # documents of 4 query tiles each, tiles aligned to documents
+    doc = 4 * plan.config.tile_m  # documents of 4 query tiles each, tiles aligned to documents
     cu = torch.arange(0, 3 * doc + 1, doc, dtype=torch.int32)
     ranges, tiles = kernel._document_tables(cu, cu, 3 * doc)
     order = tiles[:, 0]
     position_in_doc = (order % 4).tolist()
     assert position_in_doc == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]  # last tiles of each document first
     assert sorted(order.tolist()) == list(range(12))
-    first = order.long() * plan.tile_m  # each rank's row: its tile's first and last rows' key ranges
-    assert torch.equal(tiles[:, 1:3], ranges[first]) and torch.equal(tiles[:, 3:5], ranges[first + plan.tile_m - 1])
+    first = order.long() * plan.config.tile_m  # each rank's row: its tile's first and last rows' key ranges
+    assert torch.equal(tiles[:, 1:3], ranges[first]) and torch.equal(
+        tiles[:, 3:5], ranges[first + plan.config.tile_m - 1]
+    )
     # each tile lies in one document: its key bounds, and the shift from a row to its key position
     # (equal documents: zero); every row's range follows from them
     document = order.long() // 4
@@ -228,8 +248,13 @@ def test_each_length_range_runs_its_kernel():
     long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
     launched = []
     short._launch = lambda q, k, v, **kwargs: launched.append((q.shape, kwargs)) or "short result"
-    kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main",
-                             splits=(SplitKernel(split, short), SplitKernel(long_split, long)))
+    kernel = AttentionKernel(
+        spec,
+        fa4gen.plan(spec, "sm_90a"),
+        Recorder(),
+        key="main",
+        splits=(SplitKernel(split, short), SplitKernel(long_split, long)),
+    )
     assert kernel.kernel_for(1024) is short and kernel.kernel_for(1) is short
     assert kernel.kernel_for(1025) is kernel and kernel.kernel_for(None) is kernel
     assert kernel.kernel_for(4095) is kernel and kernel.kernel_for(4096) is long and kernel.kernel_for(10**6) is long
@@ -237,8 +262,11 @@ def test_each_length_range_runs_its_kernel():
     assert "long (at least 4096 query rows)=long" in repr(kernel)
 
     def qkv(seqlen_q):
-        return (torch.randn(1, seqlen_q, 2, 96).bfloat16(), torch.randn(1, 9, 2, 96).bfloat16(),
-                torch.randn(1, 9, 2, 96).bfloat16())
+        return (
+            torch.randn(1, seqlen_q, 2, 96).bfloat16(),
+            torch.randn(1, 9, 2, 96).bfloat16(),
+            torch.randn(1, 9, 2, 96).bfloat16(),
+        )
 
     assert kernel(*qkv(1024), out=None) == "short result"
     assert launched == [((1, 1024, 2, 96), {"out": None, "lse": None})]

@@ -8,9 +8,10 @@ import json
 import pytest
 
 import fa4gen
-from fa4gen import api, tuning
-from fa4gen.arch import Arch
-from fa4gen.planner import candidates, plan_smem_bytes, sm90_register_pool
+from fa4gen import api, tuned, tuning
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M, Arch
+from fa4gen.kernels.sm90.config import config_problem, config_smem_bytes, register_pool
+from fa4gen.planner import candidates
 
 SPECS = [
     fa4gen.AttentionSpec(head_dim=64, causal=True),
@@ -26,26 +27,37 @@ def test_candidates_start_with_the_default_and_all_fit(spec):
     assert plans[0] == fa4gen.plan(spec, "sm_90a")
     assert len(plans) >= 3
     assert len({p.canonical_json() for p in plans}) == len(plans)
+    base = plans[0].config.model_dump()
     for p in plans:
-        assert p.smem_bytes == plan_smem_bytes(p)
-        assert p.o_staging != "over_q" or p.q_stages == 1
-        assert p.smem_bytes <= Arch.SM90A.caps.smem_bytes_per_cta
-        assert p.tile_m == 64 * p.num_consumer_warpgroups and p.tile_n % 16 == 0
-        assert 128 * (p.producer_regs + p.num_consumer_warpgroups * p.consumer_regs) <= sm90_register_pool(
-            p.num_consumer_warpgroups)
-        assert not p.pingpong or p.intra_warpgroup_overlap
-        assert all(p.reasons.get(name) for name in type(p).model_fields if name != "reasons")
+        c = p.config
+        assert not config_problem(c)
+        assert p.smem_bytes == config_smem_bytes(c) <= Arch.SM90A.caps.smem_bytes_per_cta
+        assert c.o_staging != "over_q" or c.q_stages == 1
+        assert c.tile_m == WGMMA_M * c.num_consumer_warpgroups and c.tile_n % 16 == 0
+        assert WARPGROUP_THREADS * (c.producer_regs + c.num_consumer_warpgroups * c.consumer_regs) <= register_pool(
+            c.num_consumer_warpgroups
+        )
+        # a candidate varies the schedule only (the spec's own constants stay) and gives each change a reason
+        changed = [name for name, value in c.model_dump().items() if base[name] != value]
+        assert not set(changed) & set(_spec_fields(spec)), changed
+        assert all(p.reasons.get(name, "").strip() for name in changed), changed
+
+
+def _spec_fields(spec):
+    from fa4gen.planner.sm90 import variant_fields
+
+    return variant_fields(spec)
 
 
 def _fake_measure(spec, plan, seqlens, cache_dir):
     # pretend smaller key tiles win, so the winner is not the planner's default
-    return [1000.0 / plan.tile_n * (1 + i) for i, _ in enumerate(seqlens)]
+    return [1000.0 / plan.config.tile_n * (1 + i) for i, _ in enumerate(seqlens)]
 
 
 def test_tune_records_the_fastest_and_compile_uses_it_on_that_gpu(tmp_path, monkeypatch):
     spec = SPECS[1]
     result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="NVIDIA H200", measure=_fake_measure)
-    assert result.best.tile_n == min(p.tile_n for p in candidates(spec))
+    assert result.best.config.tile_n == min(p.config.tile_n for p in candidates(spec))
     assert result.best != fa4gen.plan(spec, "sm_90a")
     record = json.loads(result.path.read_text())
     assert record["device"] == "NVIDIA H200" and len(record["measurements"]) == len(candidates(spec))
@@ -61,11 +73,11 @@ def test_tune_records_the_fastest_and_compile_uses_it_on_that_gpu(tmp_path, monk
         built.append(options["kernel_plan"])
         raise Stop
 
-    monkeypatch.setattr(tuning, "current_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(tuned, "current_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(api, "build", build_stub)
     with pytest.raises(Stop):
         fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
-    monkeypatch.setattr(tuning, "current_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(tuned, "current_device_name", lambda: "NVIDIA H100 80GB HBM3")
     with pytest.raises(Stop):
         fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
     assert built == [result.best, None]  # another GPU: the planner's plan (None = default)
@@ -105,22 +117,24 @@ def test_alternating_rounds_cancel_drift(tmp_path):
 
 def _one_ahead(share: float):
     """A measure where the last candidate is ``share`` faster than all the others (no drift)."""
+
     def measure(spec, plan, seqlens, cache_dir):
         ahead = plan == candidates(spec, "sm_90a")[-1]
         return [100.0 * (1.0 + share) if ahead else 100.0 for _ in seqlens]
+
     return measure
 
 
-@pytest.mark.parametrize("share, min_gain, recorded", [(0.01, tuning.MIN_GAIN, "default"),
-                                                       (0.03, tuning.MIN_GAIN, "fastest"),
-                                                       (0.01, 0.0, "fastest")])
+@pytest.mark.parametrize(
+    "share, min_gain, recorded",
+    [(0.01, tuning.MIN_GAIN, "default"), (0.03, tuning.MIN_GAIN, "fastest"), (0.01, 0.0, "fastest")],
+)
 def test_a_winner_within_the_margin_leaves_the_default_recorded(tmp_path, share, min_gain, recorded):
     """The fastest candidate is recorded only when it beats the planner's default by more than
     min_gain (tuning.MIN_GAIN: the tuner's noise on a shared GPU); else the default is."""
     spec = fa4gen.AttentionSpec(head_dim=128)
     plans = candidates(spec, "sm_90a")
-    result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_one_ahead(share),
-                         min_gain=min_gain)
+    result = tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_one_ahead(share), min_gain=min_gain)
     assert result.fastest == len(plans) - 1
     expected = plans[0] if recorded == "default" else plans[-1]
     assert result.best == expected and result.chosen == plans.index(expected)
@@ -133,29 +147,37 @@ def test_negative_min_gain_is_refused(tmp_path):
         tuning.tune(SPECS[0], "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, min_gain=-0.01)
 
 
-@pytest.mark.parametrize("share, says", [(0.01, "within 2.0% of the planner default: the default is recorded"),
-                                         (0.03, "(+3.0% over the planner default)")])
+@pytest.mark.parametrize(
+    "share, says",
+    [(0.01, "within 2.0% of the planner default: the default is recorded"), (0.03, "(+3.0% over the planner default)")],
+)
 def test_tune_command_says_what_it_recorded(tmp_path, monkeypatch, share, says):
     from typer.testing import CliRunner
 
     from fa4gen import cli
 
     real_tune = tuning.tune
-    monkeypatch.setattr(cli, "tune", lambda *args, **kw: real_tune(*args, device="GPU", measure=_one_ahead(share),
-                                                                    **kw))
+    monkeypatch.setattr(
+        cli, "tune", lambda *args, **kw: real_tune(*args, device="GPU", measure=_one_ahead(share), **kw)
+    )
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text("head_dim: 128\n")
-    result = CliRunner().invoke(cli.app, ["--cache-dir", str(tmp_path / "cache"), "tune", str(spec_file)],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli.app, ["--cache-dir", str(tmp_path / "cache"), "tune", str(spec_file)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     assert "fastest: " in result.output and says in result.output
     assert (share > tuning.MIN_GAIN) != ("the default is recorded" in result.output)
 
 
 def test_candidates_differ_in_schedule_not_only_in_reasons():
-    for spec in (fa4gen.AttentionSpec(head_dim=64), fa4gen.AttentionSpec(head_dim=128, softcap=30.0), fa4gen.AttentionSpec(head_dim=256)):
-        schedules = [p.model_dump(exclude={"reasons", "smem_bytes"}) for p in candidates(spec, "sm_90a")]
-        assert all(a != b for i, a in enumerate(schedules) for b in schedules[i + 1:])
+    for spec in (
+        fa4gen.AttentionSpec(head_dim=64),
+        fa4gen.AttentionSpec(head_dim=128, softcap=30.0),
+        fa4gen.AttentionSpec(head_dim=256),
+    ):
+        schedules = [p.config for p in candidates(spec, "sm_90a")]
+        assert all(a != b for i, a in enumerate(schedules) for b in schedules[i + 1 :])
 
 
 def test_tuning_lengths_that_run_another_plan_are_flagged(tmp_path):
@@ -165,18 +187,22 @@ def test_tuning_lengths_that_run_another_plan_are_flagged(tmp_path):
     every range (2048 of the default 2048 and 8192)."""
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
     with pytest.warns(UserWarning, match="short-sequence plan for at most 1024 query rows.*not 512"):
-        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(512, 2048),
-                    rounds=1)
+        tuning.tune(
+            spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(512, 2048), rounds=1
+        )
     timed = []
-    measure = lambda spec_, plan_, seqlens, root: timed.append(seqlens) or _fake_measure(spec_, plan_, seqlens, root)
+
+    def measure(spec_, plan_, seqlens, root):
+        timed.append(seqlens)
+        return _fake_measure(spec_, plan_, seqlens, root)
+
     tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=measure, rounds=1)
     assert set(timed) == {(2048,)}
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(2048,),
-                    rounds=1)
+        tuning.tune(spec, "sm_90a", cache_dir=tmp_path, device="GPU", measure=_fake_measure, seqlens=(2048,), rounds=1)
 
 
 def test_default_tuning_lengths_avoid_the_length_ranges():
@@ -199,23 +225,27 @@ def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_pa
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
     ranges = seqlen_splits(spec, "sm_90a")
-    tuned = candidates(spec, "sm_90a")[1]
+    recorded = candidates(spec, "sm_90a")[1]
     built = []
 
-    def fake_build_plan(spec_, target, kernel_plan, cache, no_compile):
+    def fake_build_plan(spec_, target, kernel_plan, cache, no_compile, *progress_and_label):
         built.append(kernel_plan)
-        return api.BuildResult(spec=spec_, plan=kernel_plan, key=kernel_plan.canonical_json(), entry=None,
-                               built_now=False)
+        return api.BuildResult(
+            spec=spec_, plan=kernel_plan, key=kernel_plan.canonical_json(), entry=None, built_now=False
+        )
 
     def fake_load(result, cache, splits=()):
         return result.plan, splits
 
     monkeypatch.setattr(api, "_build_plan", fake_build_plan)
     monkeypatch.setattr(api, "_load", fake_load)
-    for device, explicit, main in (("GPU without a record", None, fa4gen.plan(spec, "sm_90a")),
-                                   ("NVIDIA H200", None, tuned), ("NVIDIA H200", tuned, tuned)):
-        monkeypatch.setattr(tuning, "current_device_name", lambda: device)
-        tuning.record_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200", tuned, [])
+    for device, explicit, main in (
+        ("GPU without a record", None, fa4gen.plan(spec, "sm_90a")),
+        ("NVIDIA H200", None, recorded),
+        ("NVIDIA H200", recorded, recorded),
+    ):
+        monkeypatch.setattr(tuned, "current_device_name", lambda device=device: device)
+        tuning.record_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200", recorded, [])
         built.clear()
         plan_, splits = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path, kernel_plan=explicit)
         assert plan_ == main
@@ -224,3 +254,75 @@ def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_pa
             assert [(s.split, s.kernel) for s in splits] == [(s, (s.plan, ())) for s in ranges]
         else:
             assert built == [main] and splits == ()
+
+
+def test_the_record_holds_the_plan_with_its_config(tmp_path):
+    spec = SPECS[1]
+    chosen = candidates(spec, "sm_90a")[1]
+    path = tuning.record_plan(tmp_path, spec, Arch.SM90A, "GPU", chosen, [{"score": 1.0}])
+    record = json.loads(path.read_text())
+    assert set(record) == {"spec", "arch", "device", "plan", "measurements", "recorded"}
+    assert record["plan"]["config"] == chosen.config.model_dump(mode="json")
+    assert set(record["plan"]) == {"arch", "kernel", "config", "reasons"}
+    assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU") == chosen
+
+
+def _rewrite_plan(path, edit):
+    record = json.loads(path.read_text())
+    record["plan"] = edit(record["plan"])
+    path.write_text(json.dumps(record))
+
+
+def test_records_of_an_older_format_are_ignored_with_a_warning(tmp_path):
+    """A record written before the kernel config (the plan's fields flat, some since removed)
+    is ignored, saying so: compile() runs the planner's plan until `fa4gen tune` runs again."""
+    spec = SPECS[1]
+    default = fa4gen.plan(spec, "sm_90a")
+    path = tuning.record_plan(tmp_path, spec, Arch.SM90A, "GPU", default, [])
+    flat = {
+        "arch": "sm_90a",
+        "kernel": default.kernel,
+        **default.config.model_dump(mode="json"),
+        "tile_m": default.config.tile_m,
+        "persistent": True,
+        "exp2_poly_period": 0,
+        "smem_bytes": 1,
+        "reasons": {},
+    }
+    _rewrite_plan(path, lambda plan_: flat)
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned plan .* older fa4gen.*fa4gen tune again"):
+        assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU") is None
+    # a plan of the new shape with a field the config no longer has: refused by the model
+    _rewrite_plan(
+        path,
+        lambda plan_: {
+            **default.model_dump(mode="json"),
+            "config": {**default.config.model_dump(mode="json"), "persistent": True},
+        },
+    )
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned plan"):
+        assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU") is None
+
+
+@pytest.mark.parametrize(
+    "update",
+    [{"producer_regs": 64}, {"head_dim": 64}, {"scale_log2": 1.0}],
+    ids=["fails-config-problem", "another-head-dim", "another-scale"],
+)
+def test_records_the_kernel_cannot_run_for_the_spec_are_ignored(tmp_path, update):
+    """A record whose config fails the kernel's check (config_problem), or fixes the spec's own
+    constants otherwise than the planner does now, would build a broken or wrong kernel."""
+    spec = SPECS[1]
+    default = fa4gen.plan(spec, "sm_90a")
+    path = tuning.record_plan(tmp_path, spec, Arch.SM90A, "GPU", default, [])
+    _rewrite_plan(path, lambda plan_: {**plan_, "config": {**plan_["config"], **update}})
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned plan"):
+        assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "GPU") is None
+
+
+def test_changes_name_the_config_fields_a_candidate_sets():
+    spec = fa4gen.AttentionSpec(head_dim=128)
+    base = fa4gen.plan(spec, "sm_90a")
+    other = base.with_config("test", kv_stages=3, pingpong=False)
+    assert tuning._changes(base, base) == "planner default"
+    assert tuning._changes(base, other) == "kv_stages=3, pingpong=False"

@@ -35,9 +35,11 @@ def check(name: str) -> str:
     out = torch.full((*q.shape[:3], spec.dv), float("nan"), device=q.device, dtype=q.dtype)
     kernel(q, k, v, out=out)
     report = testing.assert_close_to_reference(spec, q, k, v, out)
-    return (f"{name}: compile runs the recorded plan: {kernel.plan == recorded} | recorded = planner default: "
-            f"{recorded == fa4gen.plan(spec, 'sm_90a')} | error against fp32 {report['out_err']:.1e} "
-            f"(bound {report['out_bound']:.1e})")
+    return (
+        f"{name}: compile runs the recorded plan: {kernel.plan == recorded} | recorded = planner default: "
+        f"{recorded == fa4gen.plan(spec, 'sm_90a')} | error against fp32 {report['out_err']:.1e} "
+        f"(bound {report['out_bound']:.1e})"
+    )
 
 
 if __name__ == "__main__":

@@ -7,51 +7,15 @@
 #     kind: alibi
 #   softmax_scale: 0.08838834764831843
 #
-# plan (sm_90a):
-#   plan for sm_90a (HopperAttentionForward)
-#     arch                       sm_90a     target sm_90a: Hopper (H100/H200): TMA, wgmma, setmaxnreg
-#     kernel                     HopperAttentionForward warp-specialized Hopper forward: TMA producer warp, wgmma consumer warpgroups
-#     tile_m                     128        2 consumer warpgroups x 64 rows each
-#     tile_n                     128        d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
-#     kv_stages                  2          d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
-#     q_stages                   2          a second Q buffer fits: the next tile's Q loads while this one computes (no wait for Q between tiles)
-#     q_prefetch                 False      the next tile's Q loads from HBM (prefetching it into L2 first: the producer prefetches the next tile's Q rows into L2 as it starts this tile, so their load, once the consumers free the one Q buffer, reads L2 rather than HBM. Against the plain load on the H200 (both orders, 2026-12-02-s23a): d192 1.013-1.041x at S=512-2048 but 0.98-1.00x from S=4096, d256 0.98-1.00x, d256 causal 0.96-1.00x, d96 0.99-1.00x; with d256's O over V (-s23c) d256 causal 0.98-0.99x. A tuning candidate)
-#     q_per_warpgroup            False      one full and one empty barrier per Q buffer, which all warpgroups share (barriers per warpgroup's rows: a warpgroup's next Q rows load as soon as it has freed its own, and it starts once they are in, without waiting for the other warpgroup's rows (with O over V, warpgroup 0's rows wait for warpgroup 1 to have freed its previous ones). Against one pair of barriers per buffer on the H200 (both orders, 2026-12-02-s24a/b): d192/128 1.003-1.056x, causal 1.002-1.030x; d256 0.993-1.014x, causal 0.994-1.015x; Gemma 2's d256 window 0.966x and d128's two-buffer chained tiles 0.982-0.986x keep the shared barriers)
-#     num_consumer_warpgroups    2          2 MMA warpgroups share each K/V tile: d128: 128x128 tiles, 2 stages fill 160 KB; S, P and O fit 240 registers (160-, 176- and 192-key tiles, which leave no room for a second Q buffer, measured 0.90-0.96x at S=2048-4096, 0.97-0.98x at 8192 and 0.995-1.007x at 16384 on the H200, 2026-12-01-s13a)
-#     producer_regs              24         the producer only issues TMA: give its registers to the consumers
-#     consumer_regs              240        2x128 threads x 240 + 128 x 24 = 64512 <= 64512 registers (the CTA's pool at launch)
-#     head_dim_padded            128        wgmma K granule is 16; TMA zero-fills the padding
-#     head_dim_v_padded          128        kept to a multiple of 16; the store masks padded columns
-#     p_in_registers             True       P converts in registers to the A operand of the P.V wgmma (no smem traffic)
-#     skip_masked_tiles          True       causal/window bounds give the key-tile range per query tile; tiles outside are neither loaded nor computed, and only boundary tiles run mask code
-#     intra_warpgroup_overlap    True       softmax of tile n runs while the tensor cores do P.V of tile n+1 (S lives beside the previous P and O: fits the register budget at every tile size in the table)
-#     pingpong                   True       consumer warpgroups take turns issuing MMAs (named barriers), so one's softmax overlaps another's MMAs
-#     turnless_edges             False      every MMA issue takes a ping-pong turn (turnless first and last MMAs of a query tile, a tuning candidate, measured 0.97-1.03x per cell, 0.995x over 14 cells on the H200)
-#     mask_runs                  True       key tiles crossing a mask bound and interior ones run in separate loops, traced with and without the mask code: no key tile branches on a mask flag (measured on the H200 against one loop with a flag per tile: 1.04x over 12 causal and window cells, 1.10x at d128 causal S=8192)
-#     interior_first_tile        False      a causal or right-window bound cuts every query tile's first key tile (or an expression's block mask decides): it always runs the mask
-#     pinned_pv_wait             False      the K stage is released as soon as S is computed, and ptxas puts the P.V wait after 11-26 of the 66 exponentials of a 128-key tile; pinning the wait behind the softmax (a tuning candidate) measured 0.99x over 22 cells on the H200 (0.93-0.97x at d64 causal): ping-pong already fills that wait
-#     persistent                 True       one CTA per SM loops over tiles, so the producer loads the next tile while consumers finish this one (one CTA per tile measured 0.92-0.99x at S=2048, even at S>=4096 causal)
-#     tile_order                 paired     causal: one CTA runs query tiles M-1-j and j of one head back to back (equal work per pair, so a static schedule balances) and a round's CTAs share few heads, so K/V is read from HBM about once (heaviest-first over all heads re-read it per tile)
-#     pair_tail_rounds           2          causal pairs come in whole rounds, one per CTA, so the last one is ragged (d64 causal S=16384 on 132 SMs: 10.4 rounds in 11); where a head has at least 20 query tiles, the pairs of the last 2 rounds and the middle tiles run as single tiles heaviest first, which evens the CTAs out to within a few key tiles (simulated on the grid's causal cells: 0.99 of an even split, 0.93-0.98 in whole rounds). Against whole rounds on the H200: d64 causal S=8192 1.06x, S=16384 1.04x, d128 S=16384 1.02x, d192 1.02-1.03x, d256 S=4096-16384 1.01-1.02x; with 4-8 query tiles (S <= 1024) 0.92x at d256 and 0.96-0.98x at d128, hence the minimum
-#     pair_tail_min_tiles        20         see pair_tail_rounds
-#     l2_group_bytes             0          one group of all heads (L2-sized head groups, a tuning candidate, measured 0.88-1.03x of the causal pairs on the H200 persistent, about even one-shot)
-#     head_interleave            1          not the head-major order: nothing to interleave
-#     rotate_key_tiles           False      key tiles from the highest down: the CTAs of one head read the same K/V tile at about the same time, from L2 (the rotated order, a tuning candidate, measured 0.87-1.02x on the H200)
-#     chain_query_tiles          False      each query tile ends with its own last P.V and epilogue; chaining them into the next tile's first step (fa4gen.kernels.sm90_chain, a tuning candidate where the overlapped schedule runs on 2 consumer warpgroups with O in its own buffer) measured 0.93-1.00x except at d128 without a mask and without LSE: with it (a training forward) unchained tiles measured 1.062x at d128 S=512, 1.027x at 2048 and 1.037x at 16384 against chained ones on the H200 (both orders, 2026-12-02-s24g), whose long-range kernel (split tail) spilled 31 local loads and stores
-#     split_tail                 False      not a persistent head-major launch without a mask or rotated key tiles: whole tiles to the end
-#     split_tail_min_key_tiles   0          no split tail
-#     o_staging                  own        O has its own staging buffer: Q is freed after the main loop, so the next tile's Q loads during this tile's epilogue
-#     exp2_poly_period           0          d <= 128: every exp2 on MUFU (the FMA-unit polynomial measured slower on the H200 at every share, see EXP2_POLY_PERIOD_SOFTCAP)
-#     rescale_threshold          8.0        O is rescaled only when a row max grows by more than 2^8: most tiles skip the multiply of the O accumulator (FlashAttention-4; rescaling every tile, as flash-attn-4's Hopper path does, is a tuning candidate: 0.96-1.02x on the H200, measured before P's conversions were pinned above the skip's branch; with them, 0.91-1.01x at every head dim but d64, -zw)
-#     stale_max                  True       key tiles without mask code exponentiate against each row's running max and check the row sums for a probability past 2^8 (only then is the tile's max found: fa4gen.kernels.softmax.settle), which drops about 80 of the 420 instructions per thread of a d64 128-key step. Against the tile's max found every step, both orders on the H200 (2026-12-02-s22a): d64 1.036-1.105x, causal 1.013-1.056x (0.997x at S=512); d96 1.040-1.072x; d128 1.005-1.099x, GQA 1.048-1.110x, causal 1.005-1.034x; ALiBi 1.122x, softcap 1.107x; d192 causal 0.955-0.973x from S=4096, d256 0.972-1.013x (spills at d256 causal), documents 0.982x and an expression mask 0.988x, which keep the max every step
-#     smem_bytes                 230400     2 x Q + O + 2 x (K + V) tiles + barriers, of 232448 available
+# plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4gen.kernels.sm90_fwd import HopperAttentionForward
+from fa4gen.kernels.sm90.fwd import HopperAttentionForward
+from fa4gen.kernels.sm90.config import Sm90FwdConfig
 
 SOFTMAX_SCALE = 0.08838834764831843
 
@@ -65,63 +29,52 @@ def score_mod(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
 
 
 SCORE_MOD = score_mod
-# scores leave score_mod in natural-log units: exp2 needs only log2(e)
-SCALE_LOG2 = 1.4426950408889634
 
 MASK_MOD = None
-# run-time arguments after num_ctas, in the order the kernel takes them
-EXTRAS = ("alibi_slopes", )
+
+
+# the planner's Sm90FwdConfig, whole: every compile-time constant the kernel reads
+CONFIG = Sm90FwdConfig(
+    head_dim=128,
+    head_dim_v=128,
+    qhead_per_kvhead=1,
+    scale_log2=1.4426950408889634,
+    window_left=None,
+    window_right=0,
+    chunk=None,
+    prefix_lm=False,
+    document=False,
+    expression_mask=False,
+    sinks=False,
+    return_lse=False,
+    extra_names=('alibi_slopes', ),
+    head_dim_padded=128,
+    head_dim_v_padded=128,
+    num_consumer_warpgroups=2,
+    tile_n=128,
+    kv_stages=2,
+    q_stages=2,
+    q_per_warpgroup=False,
+    producer_regs=24,
+    consumer_regs=240,
+    p_in_registers=True,
+    pingpong=True,
+    mask_runs=True,
+    interior_first_tile=False,
+    tile_order='paired',
+    pair_tail_rounds=2,
+    pair_tail_min_tiles=20,
+    chain_query_tiles=False,
+    split_tail=False,
+    split_tail_min_key_tiles=0,
+    o_staging='own',
+    rescale_threshold=8.0,
+    stale_max=True,
+)
 
 
 def make_kernel() -> HopperAttentionForward:
-    return HopperAttentionForward(
-        head_dim=128,
-        head_dim_v=128,
-        head_dim_padded=128,
-        head_dim_v_padded=128,
-        qhead_per_kvhead=1,
-        tile_m=128,
-        tile_n=128,
-        kv_stages=2,
-        q_stages=2,
-        q_prefetch=False,
-        q_per_warpgroup=False,
-        p_in_registers=True,
-        num_consumer_warpgroups=2,
-        producer_regs=24,
-        consumer_regs=240,
-        scale_log2=SCALE_LOG2,
-        window_left=None,
-        window_right=0,
-        score_mod=SCORE_MOD,
-        mask_mod=MASK_MOD,
-        chunk=None,
-        prefix_lm=False,
-        document=False,
-        sinks=False,
-        extra_names=EXTRAS,
-        return_lse=False,
-        intra_warpgroup_overlap=True,
-        pingpong=True,
-        turnless_edges=False,
-        mask_runs=True,
-        interior_first_tile=False,
-        pinned_pv_wait=False,
-        persistent=True,
-        tile_order="paired",
-        pair_tail_rounds=2,
-        pair_tail_min_tiles=20,
-        l2_group_bytes=0,
-        head_interleave=1,
-        rotate_key_tiles=False,
-        chain_query_tiles=False,
-        split_tail=False,
-        split_tail_min_key_tiles=0,
-        o_staging="own",
-        exp2_poly_period=0,
-        rescale_threshold=8.0,
-        stale_max=True,
-    )
+    return HopperAttentionForward(CONFIG, score_mod=SCORE_MOD, mask_mod=MASK_MOD)
 
 
 @cute.jit

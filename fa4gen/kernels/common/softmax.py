@@ -5,21 +5,19 @@ wgmma C layout), so row maxima are reduced across the quad; row sums stay per-th
 end, when one quad reduction finishes them. Exponentials use base 2 with the softmax scale folded
 into one FMA: p = exp2(s * scale_log2 - max * scale_log2).
 
-Two FlashAttention-4 ideas relieve the exponential unit and the FMA pipe, each a compile-time
-choice of the plan:
-- ``exp2_poly_period`` k > 0: every k-th exponential of a row runs as a polynomial on the FMA
-  units (fastmath.exp2_poly) instead of MUFU ``ex2``;
-- ``rescale_threshold`` t > 0 (log2 units): a row keeps its stale running max until a tile's max
-  exceeds it by more than t, so probabilities may reach 2^t (harmless in fp32 sums and in
-  bf16/fp16 P) and the O rescale is skipped by every warp whose rows all kept their max.
+FlashAttention-4's rescale threshold relieves the FMA pipe, a compile-time choice of the plan:
+with ``rescale_threshold`` t > 0 (log2 units) a row keeps its stale running max until a tile's max
+exceeds it by more than t, so probabilities may reach 2^t (harmless in fp32 sums and in bf16/fp16
+P) and the O rescale is skipped by every warp whose rows all kept their max. (Its other idea,
+part of the exponentials as a polynomial on the FMA units, measured slower on the H200 at every
+share: docs/decisions.md#exp2-poly-period.)
 With a threshold, key tiles without mask code can skip the tile's max altogether
 (``stale_exponentials`` and ``settle``): exponentiated against the running max, a row whose sum
 stays within 2^t kept its max by the threshold's own rule, and only a warp where some sum passed
 it looks for the tile's max.
 
-Row sums stay FADDs here: summing P on the tensor cores instead (P times a tile of ones, an
-N=8 wgmma beside each P.V, rescaled with O) removed 64 of 66 FADDs per 128-key tile and measured
-0.95-0.98x on the H200 (benchmarks/results/2026-12-01-zp).
+Row sums stay FADDs here: summing P on the tensor cores instead (P times a tile of ones beside
+each P.V) measured slower (decision softmax-reductions).
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from fa4gen.kernels.fastmath import exp2_poly
-
 QUAD = 4  # lanes that share one row of a wgmma accumulator
 LN2 = math.log(2.0)
 # settle: a largest probability past this (2^120) is treated as overflowed, so the new
@@ -40,22 +36,11 @@ REGROW_LIMIT = 2.0**120
 
 
 class OnlineSoftmax:
-    def __init__(self, scale_log2: float, num_rows: int, exp2_poly_period: int = 0, rescale_threshold: float = 0.0):
-        assert exp2_poly_period >= 0 and rescale_threshold >= 0.0
+    def __init__(self, scale_log2: float, num_rows: int, rescale_threshold: float = 0.0):
+        assert rescale_threshold >= 0.0
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
-        self.exp2_poly_period = exp2_poly_period
         self.rescale_threshold = rescale_threshold
-
-    def _on_fma_units(self, column: int) -> bool:
-        period = self.exp2_poly_period
-        return period > 0 and column % period == period - 1
-
-    def exp2(self, x: Float32, column: int) -> Float32:
-        """2^x for the score in ``column`` of a row (a trace-time choice of the unit)."""
-        if self._on_fma_units(column):
-            return exp2_poly(x)
-        return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def make_state(self):
@@ -66,8 +51,9 @@ class OnlineSoftmax:
         return row_max, row_sum
 
     @cute.jit
-    def update(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-               correction=None) -> cute.Tensor:
+    def update(
+        self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction=None
+    ) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return each row's correction,
         the factor the output accumulated so far must be multiplied by (see ``rescale``; written
         into ``correction`` where given)."""
@@ -88,9 +74,11 @@ class OnlineSoftmax:
                 safe_max = Float32(0.0)
             max_scaled = safe_max * scale
             # exactly 1 when the max stayed: the threshold's skipped rescale tests for it
-            correction[r] = Float32(cutlass.select_(
-                new_max == prev_max, Float32(1.0), cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
-            ))
+            correction[r] = Float32(
+                cutlass.select_(
+                    new_max == prev_max, Float32(1.0), cute.math.exp2(prev_max * scale - max_scaled, fastmath=True)
+                )
+            )
             row_max[r] = new_max
             tile_sum = self._exponentiate_row(scores_mn, r, max_scaled)
             row_sum[r] = row_sum[r] * correction[r] + tile_sum
@@ -99,8 +87,7 @@ class OnlineSoftmax:
     @cute.jit
     def _row_max(self, scores_mn: cute.Tensor, r: int) -> Float32:
         """Row ``r``'s largest value, over the quad that shares the row: a running max, one
-        dependent FMNMX per score (a balanced tree of the same FMNMX measured 0.98-1.01x, 0.99x
-        over 11 cells on the H200, both orders)."""
+        dependent FMNMX per score (a balanced tree measured no faster: decision softmax-reductions)."""
         largest = scores_mn[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(scores_mn, mode=[1])):
             largest = cute.arch.fmax(largest, scores_mn[r, c])
@@ -112,7 +99,7 @@ class OnlineSoftmax:
         share of their sum."""
         scale = Float32(self.scale_log2)
         for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-            scores_mn[r, c] = self.exp2(scores_mn[r, c] * scale - reference, c)
+            scores_mn[r, c] = cute.math.exp2(scores_mn[r, c] * scale - reference, fastmath=True)
         return scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
     @cute.jit
@@ -134,8 +121,16 @@ class OnlineSoftmax:
             tile_sum[r] = self._exponentiate_row(scores_mn, r, reference)
 
     @cute.jit
-    def settle(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tile_sum: cute.Tensor,
-               correction: cute.Tensor, recompute, restore):
+    def settle(
+        self,
+        scores_mn: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tile_sum: cute.Tensor,
+        correction: cute.Tensor,
+        recompute,
+        restore,
+    ):
         """After ``stale_exponentials``: the correction per row, into ``correction``.
 
         Where some row of the warp passed 2^threshold, the tile's largest probability is the new
@@ -144,7 +139,7 @@ class OnlineSoftmax:
         already). A probability past REGROW_LIMIT (fp32 overflows at 2^128) or a row without a
         key so far has lost what the max needs: ``recompute(scores_mn)`` puts the modified scores
         back and the plain ``update`` runs on them, then ``restore()``."""
-        bound = Float32(2.0 ** self.rescale_threshold)
+        bound = Float32(2.0**self.rescale_threshold)
         over = False
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
             correction[r] = Float32(1.0)
@@ -167,18 +162,26 @@ class OnlineSoftmax:
                 row_sum[r] = row_sum[r] + tile_sum[r]
 
     @cute.jit
-    def _regrow(self, scores_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, tile_sum: cute.Tensor,
-                top: cute.Tensor, correction: cute.Tensor):
+    def _regrow(
+        self,
+        scores_mn: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tile_sum: cute.Tensor,
+        top: cute.Tensor,
+        correction: cute.Tensor,
+    ):
         """``settle`` where every row has a finite reference: rows whose largest probability
         ``top`` passed 2^threshold move their reference up to it."""
-        bound = Float32(2.0 ** self.rescale_threshold)
+        bound = Float32(2.0**self.rescale_threshold)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
             grows = top[r] > bound
             growth = cute.math.log2(top[r], fastmath=True)
             factor = Float32(cutlass.select_(grows, cute.math.exp2(-growth, fastmath=True), Float32(1.0)))
             correction[r] = factor
-            row_max[r] = Float32(cutlass.select_(grows, row_max[r] + growth * Float32(1.0 / self.scale_log2),
-                                                 row_max[r]))
+            row_max[r] = Float32(
+                cutlass.select_(grows, row_max[r] + growth * Float32(1.0 / self.scale_log2), row_max[r])
+            )
             for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
                 scores_mn[r, c] = scores_mn[r, c] * factor
             row_sum[r] = (row_sum[r] + tile_sum[r]) * factor
@@ -206,8 +209,9 @@ class OnlineSoftmax:
                 out_mn[r, c] = out_mn[r, c] * correction[r]
 
     @cute.jit
-    def finalize(self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
-                 sink=None, weights=None):
+    def finalize(
+        self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, sink=None, weights=None
+    ):
         """Normalise the output rows; write each row's natural-log LSE (-inf for empty rows).
 
         ``sink`` (a natural-log logit, or None): one more term exp(sink) in every row's

@@ -30,11 +30,19 @@ from cutlass import Int32
 class KeyTileRange:
     """Compile-time mask structure; run-time sizes and tensors (prefix lengths, document key
     ranges) come in as arguments (``args``: the variant's run-time values, see
-    fa4gen.kernels.variant)."""
+    fa4gen.kernels.common.variant)."""
 
-    def __init__(self, tile_m: int, tile_n: int, left: Optional[int], right: Optional[int],
-                 chunk: Optional[int] = None, prefix: bool = False, document: bool = False,
-                 first_keys_masked: bool = False):
+    def __init__(
+        self,
+        tile_m: int,
+        tile_n: int,
+        left: Optional[int],
+        right: Optional[int],
+        chunk: Optional[int] = None,
+        prefix: bool = False,
+        document: bool = False,
+        first_keys_masked: bool = False,
+    ):
         self.tile_m, self.tile_n = tile_m, tile_n
         self.left, self.right, self.chunk = left, right, chunk
         self.prefix, self.document = prefix, document
@@ -50,8 +58,7 @@ class KeyTileRange:
     @property
     def structural(self) -> bool:
         """Whether any bound beyond the ragged end of Sk exists."""
-        return (self.left is not None or self.right is not None or self.chunk is not None or self.prefix
-                or self.document)
+        return self.left is not None or self.right is not None or self.chunk is not None or self.prefix or self.document
 
     @cute.jit
     def row_range(self, row: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
@@ -94,8 +101,7 @@ class KeyTileRange:
         return self.bounds_of_rows(first_start, first_end, last_start, last_end, seqlen_k)
 
     @cute.jit
-    def bounds_of_rows(self, first_start: Int32, first_end: Int32, last_start: Int32, last_end: Int32,
-                       seqlen_k: Int32):
+    def bounds_of_rows(self, first_start: Int32, first_end: Int32, last_start: Int32, last_end: Int32, seqlen_k: Int32):
         """``bounds`` from the key ranges of a query tile's first and last rows."""
         tile_n = self.tile_n
         n_min = cutlass.max(first_start, 0) // tile_n
@@ -126,8 +132,16 @@ class KeyTileRange:
         return end
 
     @cute.jit
-    def row_ranges(self, coords_mn: cute.Tensor, row_base: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                   args, document=None):
+    def row_ranges(
+        self,
+        coords_mn: cute.Tensor,
+        row_base: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        args,
+        document=None,
+    ):
         """The visible interval of each of this thread's rows, once per query tile. ``document``:
         for packed documents, the tile's (single, shift, key start, key end) from the caller's
         ranking (runtime.document_tables): a tile whose rows all lie in one document computes
@@ -149,16 +163,32 @@ class KeyTileRange:
         return starts, ends
 
     @cute.jit
-    def _rows_by_range(self, starts: cute.Tensor, ends: cute.Tensor, coords_mn: cute.Tensor, row_base: Int32,
-                       batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+    def _rows_by_range(
+        self,
+        starts: cute.Tensor,
+        ends: cute.Tensor,
+        coords_mn: cute.Tensor,
+        row_base: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        args,
+    ):
         """``row_ranges`` row by row through ``row_range`` (formula, or the documents' table)."""
         for r in cutlass.range_constexpr(cute.size(coords_mn, mode=[0])):
             row = cutlass.min(row_base + coords_mn[r, 0][0], seqlen_q - 1)  # rows past Sq are discarded
             starts[r], ends[r] = self.row_range(row, batch, seqlen_q, seqlen_k, args)
 
     @cute.jit
-    def apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
-              col_base: Int32, check_start=True):
+    def apply(
+        self,
+        scores_mn: cute.Tensor,
+        coords_mn: cute.Tensor,
+        starts: cute.Tensor,
+        ends: cute.Tensor,
+        col_base: Int32,
+        check_start=True,
+    ):
         """Set scores outside their row's visible interval to -inf (in place). Per score one compare
         of its constant column offset against a per-row limit, and a select: no control flow, no
         address arithmetic per score. ``check_start``: whether the key tile may lie below a row's
@@ -172,8 +202,15 @@ class KeyTileRange:
             self._apply(scores_mn, coords_mn, starts, ends, col_base, False)
 
     @cute.jit
-    def _apply(self, scores_mn: cute.Tensor, coords_mn: cute.Tensor, starts: cute.Tensor, ends: cute.Tensor,
-               col_base: Int32, check_start: cutlass.Constexpr[bool]):
+    def _apply(
+        self,
+        scores_mn: cute.Tensor,
+        coords_mn: cute.Tensor,
+        starts: cute.Tensor,
+        ends: cute.Tensor,
+        col_base: Int32,
+        check_start: cutlass.Constexpr[bool],
+    ):
         """``apply`` with the start compare traced or not."""
         first_col = col_base + coords_mn[0, 0][1]  # this thread's first column
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
@@ -184,6 +221,4 @@ class KeyTileRange:
                 visible = offset < below
                 if cutlass.const_expr(check_start):
                     visible = visible & (offset >= above)
-                scores_mn[r, c] = cutlass.Float32(
-                    cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf)
-                )
+                scores_mn[r, c] = cutlass.Float32(cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf))

@@ -7,7 +7,7 @@ is written again; the warpgroup's P tile; the warpgroup's own Q rows (the next Q
 store to read them); one buffer for all warpgroups, taken in warpgroup order; or, with two
 warpgroups, that buffer for the first and the last key tile's V stage for the second (held
 until its store has read it: ``o_tile_over_v``). In a split tail
-(sm90_split.py) the epilogue also leaves or merges a partial.
+(split.py) the epilogue also leaves or merges a partial.
 """
 
 from __future__ import annotations
@@ -19,15 +19,10 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4gen.kernels.layout import convert_into, rows_cols_view
-from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, O_TURN_BARRIER_BASE, WARPGROUP_THREADS
-
-
-class TileInfo:
-    """Sizes of one query tile (values computed once per tile, outside the key-tile loops)."""
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.common.layout import convert_into, rows_cols_view
+from fa4gen.kernels.sm90.config import NamedBarrier
+from fa4gen.kernels.sm90.state import TileInfo
 
 
 class Sm90Epilogue:
@@ -42,10 +37,11 @@ class Sm90Epilogue:
         matrices, a quarter of the shared-memory stores of element pairs); a split tail's
         finisher rounds it with the writer's partial added (``add_partial``)."""
         pv_mma = self._make_pv_mma()
-        stmatrix = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                          pv_mma)
+        stmatrix = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), pv_mma
+        )
         thr_store = stmatrix.get_slice(loop.wtidx)
-        o_low = cute.make_rmem_tensor(pv_mma.get_slice(loop.wtidx).partition_shape_C((64, self.dv)), self.dtype)
+        o_low = cute.make_rmem_tensor(pv_mma.get_slice(loop.wtidx).partition_shape_C((WGMMA_M, self.dv)), self.dtype)
         convert_into(loop.acc_o, o_low)
         if cutlass.const_expr(merge is not None):
             self.add_partial(loop, o_low, merge[0], merge[1], wg)
@@ -56,7 +52,7 @@ class Sm90Epilogue:
         """Stage the normalised O in shared memory (its own buffer, over this warpgroup's P tile
         or Q rows, or the shared one in its turn; stmatrix) and TMA-store it, clipped to Sq rows
         and Dv columns."""
-        barrier = EPILOGUE_BARRIER_BASE + wg
+        barrier = NamedBarrier.EPILOGUE + wg
         storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0  # the warp that issues the store
         if cutlass.const_expr(self.o_shared):
             self.wait_o_turn(wg)  # the previous warpgroup's store has read the buffer
@@ -73,7 +69,7 @@ class Sm90Epilogue:
         self.stage_o(loop, sO, wg, merge)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier, number_of_threads=WARPGROUP_THREADS)
-        gO = cute.local_tile(mO[None, None, t.head, t.batch], (64, self.dv), (None, 0))
+        gO = cute.local_tile(mO[None, None, t.head, t.batch], (WGMMA_M, self.dv), (None, 0))
         tOs, tOg = cpasync.tma_partition(
             tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
         )
@@ -88,11 +84,12 @@ class Sm90Epilogue:
 
     @cute.jit
     def o_tile_over_v(self, loop, sO, wg: Int32, t, q_state, v_state):
-        """``over_v``: this warpgroup's O staging tile for tile ``t`` and the V stage it holds
-        (-1: none). Warpgroup 0 stages in its own buffer (``sO``); warpgroup 1 over the V stage
-        of its last key tile, which the main loop left unreleased (``pv_product``), or, where it
-        saw no key tile, over its own Q rows (still unreleased); ``release_o_tile`` frees either
-        once the store has read it. No warpgroup waits for another's store.
+        """``over_v``: this warpgroup's O staging tile for tile ``t``, the V stage it holds (-1:
+        none) and the barrier warpgroup 1 waits at before staging (per tile parity). Warpgroup 0
+        stages in its own buffer (``sO``); warpgroup 1 over the V stage of its last key tile, which
+        the main loop left unreleased (``pv_product``), or, where it saw no key tile, over its own
+        Q rows (still unreleased); ``release_o_tile`` frees either once the store has read it. No
+        warpgroup waits for another's store.
 
         Warpgroup 0 arrives here once its last P.V has read that V stage, and warpgroup 1 waits
         for it before writing (``tma_store_o``): a barrier per tile parity (one Q buffer: the Q
@@ -106,10 +103,10 @@ class Sm90Epilogue:
         has_v = Int32(held >= 0)
         delta = wg * (has_v * (self.o_to_v + held * self.v_stage_elems) + (1 - has_v) * self.o_to_q)
         tile = cute.make_tensor(sO.iterator + cute.assume(delta, divby=self.smem_atom_elems), sO.layout)
-        loop.v_read_barrier = O_TURN_BARRIER_BASE + q_state.phase
+        v_read_barrier = NamedBarrier.O_TURN + q_state.phase
         if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=loop.v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
-        return tile, held
+            cute.arch.barrier_arrive(barrier_id=v_read_barrier, number_of_threads=2 * WARPGROUP_THREADS)
+        return tile, held, v_read_barrier
 
     @cute.jit
     def release_o_tile(self, pipes, q_state, wg: Int32, held: Int32):
@@ -128,7 +125,7 @@ class Sm90Epilogue:
         """O in one buffer for all warpgroups (taken in warpgroup order, tile by tile): wait
         until the previous warpgroup's store has read it (the warpgroup and the previous one's
         storing warp meet at this warpgroup's barrier)."""
-        cute.arch.barrier(barrier_id=O_TURN_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS + 32)
+        cute.arch.barrier(barrier_id=NamedBarrier.O_TURN + wg, number_of_threads=WARPGROUP_THREADS + 32)
 
     @cute.jit
     def pass_o_turn(self, wg: Int32, storing):
@@ -137,8 +134,9 @@ class Sm90Epilogue:
         if storing:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             following = (wg + 1) % self.num_consumers
-            cute.arch.barrier_arrive(barrier_id=O_TURN_BARRIER_BASE + following,
-                                     number_of_threads=WARPGROUP_THREADS + 32)
+            cute.arch.barrier_arrive(
+                barrier_id=NamedBarrier.O_TURN + following, number_of_threads=WARPGROUP_THREADS + 32
+            )
 
     @cute.jit
     def await_o_store(self, wg: Int32):
@@ -154,21 +152,21 @@ class Sm90Epilogue:
         issued it waits for the bulk copies' reads, the warpgroup's barrier passes it on."""
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:  # the warp that issues the store
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE + wg, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def epilogue(self, loop, sO, tma_o, mO, mLSE, t, wg: Int32, seqlen_q: Int32):
         """The end of a query tile: its output (``store_output``). In a split tail every tile runs
-        the same steps, each empty where its role does not take it (sm90_split.py): merge a
+        the same steps, each empty where its role does not take it (split.py): merge a
         partial (a finisher), leave one (a writer), write the output (a writer's goes past the
         last row, where the TMA store clips it away and no LSE row is written)."""
         merge = None
-        if cutlass.const_expr(self.split_tail):
+        if cutlass.const_expr(self.cfg.split_tail):
             self.write_partial(loop, t.split, wg)
             merge = (t.split, self.merge_stats(loop, t.split, wg))
             past = cute.ceil_div(seqlen_q, self.tile_m)  # a query tile wholly past Sq
             m_block = Int32(cutlass.select_(t.split < 0, past, t.m_block))
-            t = TileInfo(m_block=m_block, head=t.head, batch=t.batch, row_base=m_block * self.tile_m + wg * 64)
+            t = TileInfo(m_block=m_block, head=t.head, batch=t.batch, row_base=m_block * self.tile_m + wg * WGMMA_M)
         self.store_output(loop, sO, tma_o, mO, mLSE, t, wg, seqlen_q, merge)
 
     @cute.jit
@@ -177,12 +175,13 @@ class Sm90Epilogue:
         (split word, weights of the own and the writer's O) from ``merge_stats``."""
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         sink = None
-        if cutlass.const_expr(self.sinks):
+        if cutlass.const_expr(self.cfg.sinks):
             sink = Float32(loop.args.sinks[t.head])
-        self.softmax.finalize(rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink,
-                              None if merge is None else merge[1])
+        self.softmax.finalize(
+            rows_cols_view(loop.acc_o), loop.row_max, loop.row_sum, lse, sink, None if merge is None else merge[1]
+        )
         self.tma_store_o(loop, sO, tma_o, mO, t, wg, merge)
-        if cutlass.const_expr(self.return_lse):
+        if cutlass.const_expr(self.cfg.return_lse):
             coords = rows_cols_view(loop.coords_s)
             if coords[0, 0][1] == 0:
                 for r in cutlass.range_constexpr(2):

@@ -26,18 +26,14 @@ tiles, whose turns differ per warpgroup): the planner applies it only there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4gen.kernels.sm90_mainloop import MainLoopState
-
-
-class HeldTile(MainLoopState):
-    """The registers a chained warpgroup keeps from one query tile into the next: O and P
-    (for the whole kernel), the held tile's row statistics and position, and whether a tile is
-    held (``pending``); plus where its epilogue writes."""
+from fa4gen.kernels.sm90.state import HeldTile
 
 
 class Sm90TileChain:
@@ -49,12 +45,22 @@ class Sm90TileChain:
         """O (zero) and P for every tile of this warpgroup, and room for a held tile's state."""
         acc_o, p = self.make_o_and_p(thr_pv)
         row_max, row_sum = self.softmax.make_state()
-        # m_block, head, batch (and with a split tail the tile's role, see sm90_split.py)
-        where = cute.make_rmem_tensor(cute.make_layout(4 if self.split_tail else 3), Int32)
+        # m_block, head, batch (and with a split tail the tile's role, see split.py)
+        where = cute.make_rmem_tensor(cute.make_layout(4 if self.cfg.split_tail else 3), Int32)
         pending = cute.make_rmem_tensor(cute.make_layout(1), Int32)
         pending[0] = Int32(0)
-        return HeldTile(acc_o=acc_o, p=p, row_max=row_max, row_sum=row_sum, where=where, pending=pending, sO=sO,
-                        tma_o=tma_o, mO=mO, mLSE=mLSE)
+        return HeldTile(
+            acc_o=acc_o,
+            p=p,
+            row_max=row_max,
+            row_sum=row_sum,
+            where=where,
+            pending=pending,
+            sO=sO,
+            tma_o=tma_o,
+            mO=mO,
+            mLSE=mLSE,
+        )
 
     @cute.jit
     def hold_tile(self, loop, tile):
@@ -67,7 +73,7 @@ class Sm90TileChain:
         held.where[0] = tile.m_block
         held.where[1] = tile.head
         held.where[2] = tile.batch
-        if cutlass.const_expr(self.split_tail):
+        if cutlass.const_expr(self.cfg.split_tail):
             held.where[3] = tile.split
         held.pending[0] = Int32(1)
 
@@ -75,7 +81,7 @@ class Sm90TileChain:
     def finish_held(self, loop):
         """The held tile's epilogue (its last P.V has completed), then O is zero for the next tile."""
         held = loop.held
-        ended = MainLoopState(**{**loop.__dict__, "row_max": held.row_max, "row_sum": held.row_sum})
+        ended = dataclasses.replace(loop, row_max=held.row_max, row_sum=held.row_sum)
         tile = self.held_tile_info(held, loop.warpgroup)
         self.epilogue(ended, held.sO, held.tma_o, held.mO, held.mLSE, tile, loop.warpgroup, loop.seqlen_q)
         loop.acc_o.fill(0.0)

@@ -23,15 +23,14 @@ The tile's role travels with its info as one word (``split``): 0 for a whole til
 for a writer, slot + 1 for a finisher.
 
 Two rules keep ptxas from serializing the kernel's wgmmas (C7519/C7520: a warpgroup arrive and
-wait at every wgmma, 0.57x at d128 on the H200 even with no tile cut): no branch depends on the
+wait at every wgmma, which halved d128's speed even with no tile cut): no branch depends on the
 thread (every thread counts itself into the flag; every warp spins on it with a vote as the
 loop's condition), and O's registers, the P.V accumulator, are changed the same way on every path (the
 statistics merge runs for every tile, only its loads are in a branch; the partial O goes into the
 rounded copy that the store stages, in a branch that only reads the accumulator; a writer's output
 is written too, past the last row, where the TMA store clips it away). Whole tiles pay no
 arithmetic per O element for the split: an earlier merge weighed every tile's O with an empty
-partial (an FMUL, an FFMA and a move per element), and dropping it measured 1.005x and 1.007x
-over the grid cells that split their tail (H200, 2026-12-02-s18a/b).
+partial (an FMUL, an FFMA and a move per element), which measured slower (decision split-tail).
 """
 
 from __future__ import annotations
@@ -40,8 +39,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4gen.kernels.layout import rows_cols_view
-from fa4gen.kernels.sm90_mainloop import EPILOGUE_BARRIER_BASE, WARPGROUP_THREADS
+from fa4gen.arch import WARPGROUP_THREADS
+from fa4gen.kernels.common.layout import rows_cols_view
+from fa4gen.kernels.sm90.config import NamedBarrier
 
 MERGE_CHUNK = 8  # O words a finisher loads per branch (columns of a row), or 4 where 8 do not divide them
 
@@ -107,7 +107,7 @@ class Sm90SplitTail:
                 seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             # down again for the next launch, once every thread here has seen it up (and every
             # writer thread has counted in: no late arrival can raise it again)
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER_BASE + wg, number_of_threads=WARPGROUP_THREADS)
+            cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE + wg, number_of_threads=WARPGROUP_THREADS)
             cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
             work = loop.split_work[split - 1, wg, None, loop.wtidx]
             for i in cutlass.range_constexpr(2 * rows):

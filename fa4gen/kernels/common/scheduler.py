@@ -5,18 +5,11 @@ tile id and ``decode`` a tile id to (m_block, head, batch); ids that name no til
 round) are skipped by ``valid``. A launch with one CTA per tile is the special case of one item.
 Three orders (the plan's ``tile_order``):
 - ``head_major`` (uniform work per query tile): the query tile is the fastest digit, in rounds of
-  ``grid`` tiles, so the CTAs running together share one head's K/V in L2. With ``interleave``
-  k > 1 the heads go in groups of k whose query tiles alternate (head fastest within the group):
-  a round then reads k heads' K/V, each tile by fewer CTAs at a time (the last group may be
-  narrower).
+  ``grid`` tiles, so the CTAs running together share one head's K/V in L2.
 - ``heavy_first`` (windows, chunks, prefix-LM, documents: work per query tile differs): the query
   tile is the slowest digit, counted from the end of the sequence, so the longest tiles start
-  first; rounds alternate direction (a snake), pairing a heavy tile with a light one per CTA. The
-  CTAs of one round would work on as many different heads, so the heads go in groups whose K/V
-  fits in L2 (``group_bytes``, the plan's budget; FlashAttention-3's
-  longest-processing-time order does the same): the group is the slowest digit, and the CTAs of
-  a round run neighbouring query tiles of the group's heads, which read the same K/V tiles at
-  about the same time. Packed documents break "higher query tile = more work" (work restarts at every
+  first; rounds alternate direction (a snake), pairing a heavy tile with a light one per CTA.
+  Packed documents break "higher query tile = more work" (work restarts at every
   document): the caller passes the query tiles ranked by their work (``order``: most first) and
   the slowest digit indexes that ranking (``paired`` pairs the j-th heaviest with the j-th
   lightest of that ranking): ``order[rank, 0]`` is the query tile of rank ``rank``, and the
@@ -66,9 +59,16 @@ SPLIT_SEGMENTS = 3  # a CTA's run of the split tail touches at most 3 tiles (its
 
 
 class TileScheduler:
-    def __init__(self, order: str, ranked: bool = False, pair_limit: Optional[int] = None, group_bytes: int = 0,
-                 qhead_per_kvhead: int = 1, interleave: int = 1, tail_rounds: int = 0, tail_min_tiles: int = 0,
-                 split_tail: bool = False, split_min_keys: int = 0):
+    def __init__(
+        self,
+        order: str,
+        ranked: bool = False,
+        pair_limit: Optional[int] = None,
+        tail_rounds: int = 0,
+        tail_min_tiles: int = 0,
+        split_tail: bool = False,
+        split_min_keys: int = 0,
+    ):
         assert order in TILE_ORDERS, order
         assert tail_rounds >= 0
         assert not split_tail or order == "head_major", "a split tail needs the head-major order (equal tiles)"
@@ -81,19 +81,6 @@ class TileScheduler:
         # heavy_first / paired through a run-time ranking of the query tiles (head_major ignores it)
         self.ranked = ranked and order in ("heavy_first", "paired")
         self.pair_limit = pair_limit if order == "paired" else None
-        # heavy_first: the K/V bytes a head group may hold in L2 (0: one group of all heads)
-        self.group_bytes, self.qhead_per_kvhead = group_bytes, qhead_per_kvhead
-        self.interleave = interleave if order == "head_major" else 1  # heads whose query tiles alternate
-
-    @cute.jit
-    def head_group(self, seqlen_k: Int32, heads_batches: Int32, row_bytes: int) -> Int32:
-        """Query heads per group of the heavy_first order: whole KV heads (GQA's query heads
-        share theirs) whose K/V (``row_bytes`` per key) fits the budget, at least one, at most all."""
-        group = heads_batches
-        if cutlass.const_expr(self.group_bytes > 0):
-            kv_heads = cutlass.max((self.group_bytes // row_bytes) // cutlass.max(seqlen_k, 1), 1)
-            group = cutlass.min(kv_heads * self.qhead_per_kvhead, heads_batches)
-        return group
 
     def pairs_now(self, seqlen_k: Int32):
         """Whether this launch runs pairs: a Python bool, or a run-time flag with a pair limit."""
@@ -116,9 +103,7 @@ class TileScheduler:
     def tail_now(self, num_m_blocks: Int32):
         """Whether this launch's pairs end in a tail: only with many query tiles per head. With
         few, each round's single tiles come from many heads where pairs came from few, and
-        the short tiles pay for their own prologue and epilogue: on the H200 the tail measured
-        1.02-1.06x at 22-128 query tiles per head (S >= 4096) but 0.92x at d256 and 0.96-0.98x
-        at d128 with 4-8 (S <= 1024)."""
+        the short tiles pay for their own prologue and epilogue (decision pair-tail)."""
         return num_m_blocks >= self.tail_min_tiles
 
     @cute.jit
@@ -146,12 +131,12 @@ class TileScheduler:
             if cutlass.const_expr(self.tail_rounds > 0):
                 if self.tail_now(num_m_blocks):
                     items = 2 * self.front_rounds(num_m_blocks, heads_batches, grid) + cute.ceil_div(
-                        self.tail_tiles(num_m_blocks, heads_batches, grid), grid)
+                        self.tail_tiles(num_m_blocks, heads_batches, grid), grid
+                    )
         return items
 
     @cute.jit
-    def tile_of(self, item: Int32, cta: Int32, num_m_blocks: Int32, heads_batches: Int32, grid: Int32,
-                pairs) -> Int32:
+    def tile_of(self, item: Int32, cta: Int32, num_m_blocks: Int32, heads_batches: Int32, grid: Int32, pairs) -> Int32:
         """The tile id of item ``item`` of CTA ``cta`` (may name no tile: see ``valid``); with a
         tail, ids past the front's pairs count the tail's tiles, heaviest first."""
         offset = cta
@@ -184,12 +169,13 @@ class TileScheduler:
         return ok
 
     @cute.jit
-    def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, grid: Int32, pairs,
-               group: Int32, order=None):
-        """tile id -> (m_block, head, batch, rank); ``group``: see ``head_group``; ``rank``: the
-        tile's row of ``order`` in a ranked order (else the same as m_block)."""
+    def decode(
+        self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, num_batches: Int32, grid: Int32, pairs, order=None
+    ):
+        """tile id -> (m_block, head, batch, rank); ``rank``: the tile's row of ``order`` in a
+        ranked order (else the same as m_block)."""
         heads_batches = num_heads * num_batches
-        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches, group)
+        m_block, head_batch = self._decode_rounds(tile, num_m_blocks, heads_batches)
         if pairs:
             m_block, head_batch = self._decode_pairs(tile, num_m_blocks, heads_batches)
             if cutlass.const_expr(self.tail_rounds > 0):
@@ -203,26 +189,13 @@ class TileScheduler:
 
     # ------------------------------------------------------------------ the orders
     @cute.jit
-    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32, group: Int32):
+    def _decode_rounds(self, tile: Int32, num_m_blocks: Int32, heads_batches: Int32):
         """(m_block, or with a ranked order the rank, heaviest 0; head * batch)."""
         m_block = tile % num_m_blocks
         head_batch = tile // num_m_blocks
-        if cutlass.const_expr(self.interleave > 1):  # groups of heads, head fastest within a group
-            first_head = tile // (self.interleave * num_m_blocks) * self.interleave
-            within = tile - first_head * num_m_blocks
-            width = cutlass.min(self.interleave, heads_batches - first_head)
-            m_block = within // width
-            head_batch = first_head + within - m_block * width
         if cutlass.const_expr(self.order != "head_major"):  # heavy_first, or paired falling back
             rank = tile // heads_batches  # query tiles from the heaviest, heads fastest
             head_batch = tile % heads_batches
-            if cutlass.const_expr(self.group_bytes > 0):
-                # head group slowest (the last one may be narrower), then rank, then head
-                first_head = tile // (group * num_m_blocks) * group
-                within = tile - first_head * num_m_blocks
-                width = cutlass.min(group, heads_batches - first_head)
-                rank = within // width
-                head_batch = first_head + within - rank * width
             m_block = num_m_blocks - 1 - rank
             if cutlass.const_expr(self.ranked):
                 m_block = rank

@@ -4,11 +4,11 @@ CTA layout: warpgroup 0 is the producer (one warp issues TMA loads of Q and a ri
 tiles, registers given away with setmaxnreg); warpgroups 1..W are consumers, each owning 64
 query rows of the CTA's tile_m: S = Q.K^T (wgmma, both operands in shared memory), score
 modifier + mask + online softmax in registers, O += P.V (wgmma, P from registers); see
-sm90_mainloop.py. K and V have separate mbarrier pipelines so a K stage is released as soon as S
+mainloop.py. K and V have separate mbarrier pipelines so a K stage is released as soon as S
 is computed. O leaves through shared memory (its own buffer, whose store runs on into the next
 tile, or over the warpgroup's own Q rows) by TMA store, which clips the ragged edges
-(sm90_epilogue.py). A persistent launch (one CTA per SM) walks the plan's tile order
-(scheduler.py); the producer (sm90_producer.py) runs ahead into the next tile while consumers
+(epilogue.py). A persistent launch (one CTA per SM) walks the plan's tile order
+(scheduler.py); the producer (producer.py) runs ahead into the next tile while consumers
 finish the last, and hands each tile's position and key-tile bounds to the consumers with its Q
 buffer (``publish_tile``).
 
@@ -23,193 +23,92 @@ lengths are run-time values, so one compiled kernel serves all sizes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import cuda.bindings.driver as cuda
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-from fa4gen.kernels.layout import rows_cols_view
-from fa4gen.kernels.masking import KeyTileRange
-from fa4gen.kernels.scheduler import TileScheduler
-from fa4gen.kernels.sm90_chain import Sm90TileChain
-from fa4gen.kernels.sm90_epilogue import Sm90Epilogue, TileInfo
-from fa4gen.kernels.sm90_mainloop import WARPGROUP_THREADS, MainLoopState, Sm90MainLoop
-from fa4gen.kernels.sm90_producer import Sm90Producer
-from fa4gen.kernels.sm90_split import Sm90SplitTail
-from fa4gen.kernels.softmax import OnlineSoftmax
-from fa4gen.kernels.variant import VariantArgs
-from fa4gen.planner import split_partial_words
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.common.layout import rows_cols_view
+from fa4gen.kernels.common.masking import KeyTileRange
+from fa4gen.kernels.common.scheduler import TileScheduler
+from fa4gen.kernels.common.softmax import OnlineSoftmax
+from fa4gen.kernels.common.variant import VariantArgs
+from fa4gen.kernels.sm90.chain import Sm90TileChain
+from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, split_partial_words
+from fa4gen.kernels.sm90.epilogue import Sm90Epilogue
+from fa4gen.kernels.sm90.mainloop import Sm90MainLoop
+from fa4gen.kernels.sm90.producer import Sm90Producer
+from fa4gen.kernels.sm90.split import Sm90SplitTail
+from fa4gen.kernels.sm90.state import LaunchSizes, MainLoopState, TileInfo
 
 SMEM_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1 KB
 Q_ATOM_COLS = 64  # 16-bit columns of one 128-byte swizzle atom row
 
 
 class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90SplitTail, Sm90Epilogue):
-    """One compiled forward kernel. Constructor arguments are all compile-time constants."""
+    """One compiled forward kernel: ``config`` holds its compile-time constants (the planner's
+    Sm90FwdConfig); score_mod and mask_mod are the variant's hooks from the emitted module."""
 
     def __init__(
-        self,
-        *,
-        head_dim: int,
-        head_dim_v: int,
-        head_dim_padded: int,
-        head_dim_v_padded: int,
-        qhead_per_kvhead: int,
-        tile_m: int,
-        tile_n: int,
-        kv_stages: int,
-        num_consumer_warpgroups: int,
-        producer_regs: int,
-        consumer_regs: int,
-        scale_log2: float,
-        window_left: Optional[int],
-        window_right: Optional[int],
-        score_mod: Optional[Callable] = None,
-        mask_mod: Optional[Callable] = None,
-        chunk: Optional[int] = None,
-        prefix_lm: bool = False,
-        document: bool = False,
-        sinks: bool = False,
-        extra_names: tuple = (),
-        return_lse: bool = False,
-        intra_warpgroup_overlap: bool = True,
-        pingpong: bool = False,
-        turnless_edges: bool = False,
-        mask_runs: bool = False,
-        interior_first_tile: bool = False,
-        pinned_pv_wait: bool = False,
-        persistent: bool = True,
-        tile_order: str = "head_major",
-        pair_tail_rounds: int = 0,
-        pair_tail_min_tiles: int = 0,
-        o_staging: str = "own",
-        exp2_poly_period: int = 0,
-        rescale_threshold: float = 0.0,
-        stale_max: bool = False,
-        q_stages: int = 1,
-        q_prefetch: bool = False,
-        q_per_warpgroup: bool = False,
-        p_in_registers: bool = True,
-        l2_group_bytes: int = 0,
-        head_interleave: int = 1,
-        rotate_key_tiles: bool = False,
-        chain_query_tiles: bool = False,
-        split_tail: bool = False,
-        split_tail_min_key_tiles: int = 0,
+        self, config: Sm90FwdConfig, score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None
     ):
-        assert tile_m == 64 * num_consumer_warpgroups
-        assert not pingpong or intra_warpgroup_overlap, "ping-pong needs the overlapped schedule"
-        self.head_dim, self.head_dim_v = head_dim, head_dim_v
-        self.dqk, self.dv = head_dim_padded, head_dim_v_padded
-        self.qhead_per_kvhead = qhead_per_kvhead
-        self.tile_m, self.tile_n, self.kv_stages = tile_m, tile_n, kv_stages
-        self.q_stages = q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
-        self.q_prefetch = q_prefetch  # the next tile's Q into L2 once this tile's first K/V went out
-        # a full and an empty barrier per warpgroup's 64 Q rows (q_slot), else one pair per buffer
-        assert not q_per_warpgroup or num_consumer_warpgroups > 1, "Q barriers per warpgroup need 2 or more"
-        self.q_per_warpgroup = q_per_warpgroup
-        self.q_slots = q_stages * (num_consumer_warpgroups if self.q_per_warpgroup else 1)
-        # P feeds P.V from registers, or through a shared-memory tile per consumer warpgroup
-        self.p_in_registers = p_in_registers
-        self.num_consumers = num_consumer_warpgroups
-        self.producer_regs, self.consumer_regs = producer_regs, consumer_regs
-        self._init_variant(score_mod, mask_mod, sinks, extra_names, return_lse)
-        self.overlap = intra_warpgroup_overlap
-        self.pingpong = pingpong and num_consumer_warpgroups > 1
-        # turnless edges: a query tile's first Q.K^T and last P.V take no ping-pong turn
-        # (sm90_mainloop.py); a pinned P.V wait: the overlapped tile's K release follows the softmax
-        self.turnless_edges, self.pinned_pv_wait = turnless_edges, pinned_pv_wait
-        self.persistent = persistent
-        # key tiles without mask code exponentiate against the rows' running max (softmax.settle)
-        assert not stale_max or (rescale_threshold > 0.0 and intra_warpgroup_overlap), \
-            "a stale max needs a rescale threshold and the overlapped schedule"
-        self.stale_max = stale_max
-        self._init_key_tiles(window_left, window_right, chunk, prefix_lm, document, rotate_key_tiles, mask_runs,
-                             interior_first_tile)
-        # the ragged last round's key tiles spread over every CTA (scheduler.py, sm90_split.py):
-        # only where every query tile visits the same key tiles in the same order
-        self.split_tail = split_tail
-        assert not split_tail or (persistent and not self.key_tiles.structural and mask_mod is None
-                                  and not rotate_key_tiles), \
-            "a split tail needs a persistent launch without mask bounds, block mask or rotated key tiles"
-        # pairs of causal query tiles keep equal work only while a left window cuts no row
-        self.scheduler = TileScheduler(
-            tile_order, ranked=document, pair_limit=None if window_left is None else window_left + 1,
-            group_bytes=l2_group_bytes, qhead_per_kvhead=qhead_per_kvhead, interleave=head_interleave,
-            tail_rounds=pair_tail_rounds, tail_min_tiles=pair_tail_min_tiles, split_tail=split_tail,
-            split_min_keys=split_tail_min_key_tiles)
-        self.softmax = OnlineSoftmax(scale_log2, num_rows=2, exp2_poly_period=exp2_poly_period,
-                                     rescale_threshold=rescale_threshold)
-        self.threads = WARPGROUP_THREADS * (1 + num_consumer_warpgroups)
-        self._init_staging(o_staging, chain_query_tiles)
-
-    def _init_variant(self, score_mod, mask_mod, sinks: bool, extra_names: tuple, return_lse: bool):
-        """The variant's own hooks and run-time values (fa4gen.kernels.variant)."""
+        problem = config_problem(config)
+        assert not problem, problem
+        assert (mask_mod is not None) == config.expression_mask, "an expression mask comes with its mask_mod"
+        self.cfg = config
         self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded  # padded extents, as loaded
+        self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
+        self.q_stages = config.q_stages  # Q buffers, each of tile_m rows (one 64-row stage per consumer)
+        self.num_consumers = config.num_consumer_warpgroups
+        # a full and an empty barrier per warpgroup's 64 Q rows (q_slot), else one pair per buffer
+        self.q_slots = config.q_stages * (self.num_consumers if config.q_per_warpgroup else 1)
         # an expression mask comes with a block mask (built on the GPU by fa4gen.blockmask):
         # per query tile, the list of non-empty key tiles and whether each is full
-        self.block_sparse = mask_mod is not None
+        self.block_sparse = config.expression_mask
         # with 3 warpgroups a warpgroup's rows often see fewer key tiles than the CTA's 192 rows
         # (diagonal, rows past Sq): it passes those by (its per-tile count costs registers that
         # 2-warpgroup kernels at d256 do not have, and there it would rarely skip anything)
-        self.skips_masked_tiles = self.num_consumers > 2 and mask_mod is None
-        self.sinks, self.extra_names, self.return_lse = sinks, tuple(extra_names), return_lse
-
-    def _init_key_tiles(self, window_left, window_right, chunk, prefix_lm, document, rotate_key_tiles, mask_runs,
-                        interior_first_tile):
-        """The key-tile range of a query tile (structural mask bounds) and the plan options that
-        order or trace its key tiles, each checked against what it needs."""
-        self.key_tiles = KeyTileRange(self.tile_m, self.tile_n, window_left, window_right, chunk, prefix_lm, document,
-                                      first_keys_masked=self.stale_max)
+        self.skips_masked_tiles = self.num_consumers > 2 and not config.expression_mask
+        self.key_tiles = KeyTileRange(
+            self.tile_m,
+            self.tile_n,
+            config.window_left,
+            config.window_right,
+            config.chunk,
+            config.prefix_lm,
+            config.document,
+            first_keys_masked=config.stale_max,
+        )
         # which run-time flags say a key tile crosses a bound (see Sm90MainLoop.needs_mask)
-        self.has_left_mask = window_left is not None or chunk is not None or document
-        self.has_right_mask = window_right is not None or prefix_lm or document
-        # key tiles from an offset per query tile (query tile m starts m tiles below the top and
-        # wraps around), so the CTAs of one head read different K/V tiles at a time; only where
-        # no mask bound ties the order to the key positions (the ragged last tile is flagged)
-        self.rotate_key_tiles = rotate_key_tiles
-        assert not rotate_key_tiles or (not self.key_tiles.structural and self.mask_mod is None), \
-            "rotated key tiles need a kernel without mask bounds"
-        # masked and interior key tiles in separate loops (sm90_mainloop.py): only where the
-        # bounds order them (structural masks; a block mask's list has no order)
-        self.mask_runs = mask_runs
-        assert not mask_runs or (self.key_tiles.structural and self.mask_mod is None), \
-            "mask runs need structural mask bounds and no block mask"
-        # a query tile's first key tile traced again without mask code, run where no bound cuts it
-        # (sm90_mainloop.first_past_starts): only where no right bound cuts it always
-        self.interior_first_tile = interior_first_tile
-        assert not interior_first_tile or (window_right is None and self.mask_mod is None), \
-            "an interior first key tile needs a kernel without a right bound or block mask"
-
-    def _init_staging(self, o_staging: str, chain_query_tiles: bool):
-        """Where O is staged: in its own buffer, over the warpgroup's P tile or over its own Q
-        rows, in one buffer that the warpgroups take in turn, or (two warpgroups) in that buffer
-        and over the last V stage (fa4gen.planner.O_STAGING says what each costs); and whether
-        query tiles chain, which needs O in its own buffer."""
-        assert o_staging in ("own", "over_p", "over_q", "shared", "over_v"), o_staging
-        self.o_over_q, self.o_over_p = o_staging == "over_q", o_staging == "over_p"
-        self.o_shared = o_staging == "shared"
-        # warpgroup 0 in a buffer of its own, warpgroup 1 over its last key tile's V stage
-        self.o_over_v = o_staging == "over_v"
-        assert not self.o_over_v or (self.num_consumers == 2 and self.overlap and not chain_query_tiles
-                                     and self.q_stages == 1 and self.dv <= self.dqk and self.tile_n >= 64), \
-            "O staged over V needs 2 overlapped, unchained warpgroups, one Q buffer, dv <= d and 64-key tiles"
-        assert not self.o_over_q or self.dv <= self.dqk, "O staged over Q needs dv <= d"
-        assert not self.o_over_q or self.q_stages == 1, "O staged over Q needs a single Q buffer"
-        assert not self.o_over_p or (not self.p_in_registers and self.dv <= self.tile_n), \
-            "O staged over P needs P in shared memory and dv <= tile_n"
-        # a query tile's last P.V issued with the next tile's first Q.K^T (sm90_chain.py)
-        self.chain = chain_query_tiles
-        assert not self.chain or (self.overlap and o_staging == "own" and not self.skips_masked_tiles), \
-            "chained query tiles need the overlapped schedule, O in its own buffer and no skipped key tiles"
+        self.has_left_mask = config.window_left is not None or config.chunk is not None or config.document
+        self.has_right_mask = config.window_right is not None or config.prefix_lm or config.document
+        # pairs of causal query tiles keep equal work only while a left window cuts no row
+        window = config.window_left
+        self.scheduler = TileScheduler(
+            config.tile_order,
+            ranked=config.document,
+            pair_limit=None if window is None else window + 1,
+            tail_rounds=config.pair_tail_rounds,
+            tail_min_tiles=config.pair_tail_min_tiles,
+            split_tail=config.split_tail,
+            split_min_keys=config.split_tail_min_key_tiles,
+        )
+        self.softmax = OnlineSoftmax(config.scale_log2, num_rows=2, rescale_threshold=config.rescale_threshold)
+        self.threads = WARPGROUP_THREADS * (1 + self.num_consumers)
+        # where O is staged (planner: O_STAGING says what each costs)
+        self.o_over_q, self.o_over_p = config.o_staging == "over_q", config.o_staging == "over_p"
+        self.o_shared, self.o_over_v = config.o_staging == "shared", config.o_staging == "over_v"
+        self.chain = config.chain_query_tiles  # a query tile's last P.V with the next one's first Q.K^T
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -237,11 +136,11 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout = self._smem_layouts(dtype)
         stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_q_t = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (64, self.dqk))
+        tma_q, tma_q_t = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (WGMMA_M, self.dqk))
         tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
         tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, cute.slice_(sV_layout, stage), (self.dv, self.tile_n))
         tma_o, tma_o_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), o, cute.slice_(sO_layout, stage), (64, self.dv)
+            cpasync.CopyBulkTensorTileS2GOp(), o, cute.slice_(sO_layout, stage), (WGMMA_M, self.dv)
         )
         o_elems, p_elems = self._stage_sizes(dtype, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout)
 
@@ -264,19 +163,37 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         assert header <= SMEM_ALIGN, f"{header} bytes of barriers and tile words do not fit before Q"
         pairs = self.scheduler.pairs_now(k.shape[0])
         grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
-        if cutlass.const_expr(self.persistent):
-            grid_x = cutlass.min(grid_x, num_ctas)
-        if cutlass.const_expr(self.split_tail):  # planner.split_workspace_shape
+        grid_x = cutlass.min(grid_x, num_ctas)
+        if cutlass.const_expr(self.cfg.split_tail):  # planner.split_workspace_shape
             assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
             assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (
-                self.num_consumers, split_partial_words(self.dv), WARPGROUP_THREADS)
+                self.num_consumers,
+                split_partial_words(self.dv),
+                WARPGROUP_THREADS,
+            )
         lse = None
         if cutlass.const_expr(mLSE is not None):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
         self.kernel(
-            tma_q, tma_q_t, tma_k, tma_k_t, tma_v, tma_v_t, tma_o, tma_o_t, lse, mWork, mFlags,
-            sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras,
-            q if self.stale_max else None, k if self.stale_max else None,
+            tma_q,
+            tma_q_t,
+            tma_k,
+            tma_k_t,
+            tma_v,
+            tma_v_t,
+            tma_o,
+            tma_o_t,
+            lse,
+            mWork,
+            mFlags,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            sP_layout,
+            extras,
+            q if self.cfg.stale_max else None,
+            k if self.cfg.stale_max else None,
         ).launch(
             grid=(grid_x, 1, 1),
             block=[self.threads, 1, 1],
@@ -292,15 +209,15 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         operand of P.V, (64 rows, tile_n keys) per consumer warpgroup."""
         W = self.num_consumers
         sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, W * self.q_stages
+            LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), dtype, W * self.q_stages
         )
-        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dv), dtype, W)
-        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (64, self.dv, self.tile_n), dtype, W)
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dv), dtype, W)
+        sP_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WGMMA_M, self.dv, self.tile_n), dtype, W)
         sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (64, self.tile_n, self.dqk), dtype, self.kv_stages
+            LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), dtype, self.kv_stages
         )
         sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (64, self.dv, self.tile_n), dtype, self.kv_stages
+            LayoutEnum.COL_MAJOR, (WGMMA_M, self.dv, self.tile_n), dtype, self.kv_stages
         )
         return sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout
 
@@ -317,19 +234,20 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         o_elems = 0 if self.o_over_q or self.o_over_p else cute.cosize(sO_layout)
         if self.o_shared or self.o_over_v:
             o_elems = cute.cosize(cute.slice_(sO_layout, stage))  # one 64-row tile (taken in turn where shared)
-        p_elems = 0 if self.p_in_registers else cute.cosize(sP_layout)
+        p_elems = 0 if self.cfg.p_in_registers else cute.cosize(sP_layout)
         # over_v: elements from the O buffer back to the V ring and to warpgroup 1's Q rows (the
         # buffers follow one another in SharedStorage, each 1 KB-aligned)
         atom = SMEM_ALIGN * 8 // dtype.width
-        q_elems, k_elems, v_elems = (cute.round_up(cute.cosize(layout), atom) for layout in (sQ_layout, sK_layout,
-                                                                                           sV_layout))
+        q_elems, k_elems, v_elems = (
+            cute.round_up(cute.cosize(layout), atom) for layout in (sQ_layout, sK_layout, sV_layout)
+        )
         self.o_to_v, self.o_to_q = -v_elems, -(q_elems + k_elems + v_elems) + self.q_stage_elems
         self.smem_atom_elems = atom
         return o_elems, p_elems
 
     def _make_qk_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
         mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.tile_n)
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (WGMMA_M, self.tile_n)
         )
         if accumulate is not None:
             mma.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -337,8 +255,14 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
 
     def _make_pv_mma(self, accumulate: Optional[bool] = None) -> cute.TiledMma:
         mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (64, self.dv),
-            warpgroup.OperandSource.RMEM if self.p_in_registers else warpgroup.OperandSource.SMEM,
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            Float32,
+            (1, 1, 1),
+            (WGMMA_M, self.dv),
+            warpgroup.OperandSource.RMEM if self.cfg.p_in_registers else warpgroup.OperandSource.SMEM,
         )
         if accumulate is not None:
             mma.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -358,10 +282,26 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
-        self, tma_q, mQ, tma_k, mK, tma_v, mVt, tma_o, mO, mLSE: Optional[cute.Tensor],
-        mWork: Optional[cute.Tensor], mFlags: Optional[cute.Tensor],
-        sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout, extras: tuple,
-        gQ: Optional[cute.Tensor], gK: Optional[cute.Tensor],
+        self,
+        tma_q,
+        mQ,
+        tma_k,
+        mK,
+        tma_v,
+        mVt,
+        tma_o,
+        mO,
+        mLSE: Optional[cute.Tensor],
+        mWork: Optional[cute.Tensor],
+        mFlags: Optional[cute.Tensor],
+        sQ_layout,
+        sK_layout,
+        sV_layout,
+        sO_layout,
+        sP_layout,
+        extras: tuple,
+        gQ: Optional[cute.Tensor],
+        gK: Optional[cute.Tensor],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -371,42 +311,57 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sTiles = storage.tiles.get_tensor(cute.make_layout((len(self.tile_fields), self.q_slots)))
-        q_users = 1 if self.q_per_warpgroup else self.num_consumers  # warpgroups per Q slot
+        q_users = 1 if self.cfg.q_per_warpgroup else self.num_consumers  # warpgroups per Q slot
         pipes = (
-            self._make_pipeline(storage.bar_q.data_ptr(), self.q_slots, self.q_bytes * q_users // self.num_consumers,
-                                q_users),
+            self._make_pipeline(
+                storage.bar_q.data_ptr(), self.q_slots, self.q_bytes * q_users // self.num_consumers, q_users
+            ),
             self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.num_consumers),
             self._make_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, self.num_consumers),
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        sizes = TileInfo(
-            seqlen_q=mQ.shape[0], seqlen_k=mK.shape[0], num_heads=mQ.shape[2], num_batches=mQ.shape[3],
-            num_m_blocks=cute.ceil_div(mQ.shape[0], self.tile_m),
-            args=VariantArgs(self.extra_names, extras),
-        )
-        sizes.gq, sizes.gk = gQ, gK  # (S, D, H, B) in global memory: stale_max's recomputed scores
-        sizes.heads_batches = sizes.num_heads * sizes.num_batches
-        # key tiles per query tile (every tile visits them all where a split tail is allowed);
-        # at least 1, so a launch without keys runs whole tiles of one empty key tile
-        sizes.n_keys = cutlass.max(cute.ceil_div(sizes.seqlen_k, self.tile_n), 1)
-        sizes.split_work, sizes.split_flags = mWork, mFlags
-        sizes.grid = cute.arch.grid_dim()[0]
-        if cutlass.const_expr(self.split_tail):  # this CTA's run of the split tail (scheduled)
-            sizes.split_run = self.scheduler.split_run(cute.arch.block_idx()[0], sizes.num_m_blocks,
-                                                       sizes.heads_batches, sizes.grid, sizes.n_keys)
-        sizes.pairs = self.scheduler.pairs_now(sizes.seqlen_k)
-        sizes.group = self.scheduler.head_group(sizes.seqlen_k, sizes.heads_batches,
-                                                (self.dqk + self.dv) * self.dtype.width // 8)
+        sizes = self.launch_sizes(mQ, mK, gQ, gK, mWork, mFlags, extras)
         if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce(tma_q, mQ, tma_k, mK, tma_v, mVt, sQ, sK, sV, sTiles, pipes, sizes)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             wg = warpgroup_idx - 1
             sO, sP = self.warpgroup_buffers(storage, sQ, sO_layout, sP_layout, wg)
             self.consume(sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, tidx % WARPGROUP_THREADS, sizes)
+
+    @cute.jit
+    def launch_sizes(self, mQ, mK, gQ, gK, mWork, mFlags, extras) -> LaunchSizes:
+        """The launch's sizes, the same for every tile (mQ, mK: (S, D, H, B) views)."""
+        seqlen_q, seqlen_k, num_heads, num_batches = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        heads_batches = num_heads * num_batches
+        # key tiles per query tile (every tile visits them all where a split tail is allowed);
+        # at least 1, so a launch without keys runs whole tiles of one empty key tile
+        n_keys = cutlass.max(cute.ceil_div(seqlen_k, self.tile_n), 1)
+        grid = cute.arch.grid_dim()[0]
+        split_run = None
+        if cutlass.const_expr(self.cfg.split_tail):  # this CTA's run of the split tail (scheduled)
+            split_run = self.scheduler.split_run(cute.arch.block_idx()[0], num_m_blocks, heads_batches, grid, n_keys)
+        return LaunchSizes(
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            num_heads=num_heads,
+            num_batches=num_batches,
+            num_m_blocks=num_m_blocks,
+            heads_batches=heads_batches,
+            n_keys=n_keys,
+            grid=grid,
+            pairs=self.scheduler.pairs_now(seqlen_k),
+            args=VariantArgs(self.cfg.extra_names, extras),
+            gq=gQ,
+            gk=gK,
+            split_run=split_run,
+            split_work=mWork,
+            split_flags=mFlags,
+        )
 
     @cute.jit
     def warpgroup_buffers(self, storage, sQ, sO_layout, sP_layout, wg: Int32):
@@ -414,7 +369,7 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         one all take in turn) and P tile (None when P stays in registers)."""
         sO_stage = cute.slice_(sO_layout, (None, None, 0))
         sP = None
-        if cutlass.const_expr(not self.p_in_registers):
+        if cutlass.const_expr(not self.cfg.p_in_registers):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, wg]
         # O's base and the elements between warpgroups' tiles (0: one tile all take in turn)
         if cutlass.const_expr(self.o_over_q):
@@ -436,7 +391,7 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         tile = self.scheduler.tile_of(item, cta, sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs)
         ok = self.scheduler.valid(tile, sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs)
         first, end = Int32(0), sizes.n_keys
-        if cutlass.const_expr(self.split_tail):
+        if cutlass.const_expr(self.cfg.split_tail):
             tile, ok, first, end = self.scheduler.split_segment(item, sizes.split_run, sizes.n_keys, tile, ok)
         return tile, ok, first, end
 
@@ -444,8 +399,9 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
     def decode(self, tile: Int32, sizes):
         """(m_block, head, batch, rank) of tile ``tile`` (``scheduler.decode`` with this launch's sizes)."""
         ranking = sizes.args.doc_tiles if cutlass.const_expr(self.scheduler.ranked) else None
-        return self.scheduler.decode(tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches, sizes.grid,
-                                     sizes.pairs, sizes.group, ranking)
+        return self.scheduler.decode(
+            tile, sizes.num_m_blocks, sizes.num_heads, sizes.num_batches, sizes.grid, sizes.pairs, ranking
+        )
 
     @cute.jit
     def tile_info(self, tile: Int32, sizes, first=None, end=None):
@@ -459,43 +415,53 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
             # the ranking's row also holds the key ranges of the tile's first and last rows: one
             # level of loads, where the rank, then the rows' ranges would be two
             n_min, split_lo, split_hi, n_max = self.key_tiles.bounds_of_rows(
-                ranking[rank, 1], ranking[rank, 2], ranking[rank, 3], ranking[rank, 4], sizes.seqlen_k)
+                ranking[rank, 1], ranking[rank, 2], ranking[rank, 3], ranking[rank, 4], sizes.seqlen_k
+            )
             # and its document's bounds, for the consumers' row ranges (masking.row_ranges)
             doc_single, doc_shift = ranking[rank, 5], ranking[rank, 6]
             doc_key_start, doc_key_end = ranking[rank, 7], ranking[rank, 8]
         else:
-            n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(m_block, batch, sizes.seqlen_q, sizes.seqlen_k,
-                                                                     sizes.args)
+            n_min, split_lo, split_hi, n_max = self.key_tiles.bounds(
+                m_block, batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args
+            )
         n_count = cutlass.max(n_max - n_min, 0)
         split = Int32(0)
-        if cutlass.const_expr(self.split_tail):
+        if cutlass.const_expr(self.cfg.split_tail):
             split = self.split_role(first, end, sizes.n_keys)
             if split != 0:  # a segment of the tile (no mask bounds here: n_min = 0 and n_max = n_keys)
                 n_min = n_max - end
                 n_max = n_max - first
                 n_count = end - first
-        t = TileInfo(m_block=m_block, head=head, batch=batch, n_min=n_min, split_lo=split_lo, split_hi=split_hi,
-                     n_max=n_max, n_count=n_count, split=split)
+        extra = {}
         if cutlass.const_expr(self.scheduler.ranked):
-            t.doc_single, t.doc_shift, t.doc_key_start, t.doc_key_end = (doc_single, doc_shift, doc_key_start,
-                                                                         doc_key_end)
-        if cutlass.const_expr(self.rotate_key_tiles):
-            t.rotation = m_block % cutlass.max(t.n_count, 1)
+            extra = dict(
+                doc_single=doc_single, doc_shift=doc_shift, doc_key_start=doc_key_start, doc_key_end=doc_key_end
+            )
         if cutlass.const_expr(self.block_sparse):
             # the block mask lists this tile's non-empty key tiles (its tables may be shared
             # across batch entries and heads: a size-1 mode broadcasts)
-            t.mask_b = batch % sizes.args.block_count.shape[0]
-            t.mask_h = head % sizes.args.block_count.shape[1]
-            t.n_count = sizes.args.block_count[t.mask_b, t.mask_h, m_block]
-        return t
+            mask_b = batch % sizes.args.block_count.shape[0]
+            mask_h = head % sizes.args.block_count.shape[1]
+            n_count = sizes.args.block_count[mask_b, mask_h, m_block]
+            extra = dict(mask_b=mask_b, mask_h=mask_h)
+        return TileInfo(
+            m_block=m_block,
+            head=head,
+            batch=batch,
+            n_min=n_min,
+            split_lo=split_lo,
+            split_hi=split_hi,
+            n_max=n_max,
+            n_count=n_count,
+            split=split,
+            **extra,
+        )
 
     @property
     def tile_fields(self) -> tuple:
         """The TileInfo fields the producer hands the consumers per tile (``publish_tile``)."""
         fields = ("m_block", "head", "batch", "n_min", "split_lo", "split_hi", "n_max", "n_count")
-        if self.rotate_key_tiles:
-            fields += ("rotation",)
-        if self.split_tail:
+        if self.cfg.split_tail:
             fields += ("split",)
         if self.block_sparse:
             fields += ("mask_b", "mask_h")
@@ -509,11 +475,11 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
     def make_o_and_p(self, thr_pv):
         """This warpgroup's O accumulator (zero) and, where P stays in registers, P's A-operand
         fragment (None where P goes through shared memory)."""
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((64, self.dv)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.dv)))
         acc_o.fill(0.0)
         p = None
-        if cutlass.const_expr(self.p_in_registers):
-            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((64, self.tile_n)), self.dtype)
+        if cutlass.const_expr(self.cfg.p_in_registers):
+            p = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, self.tile_n)), self.dtype)
         return acc_o, p
 
     @cute.jit
@@ -530,28 +496,42 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         else:
             acc_o, p = self.make_o_and_p(thr_pv)
         p_store = None  # P through smem: (16-bit P in the S layout, stmatrix copy, its smem targets)
-        if cutlass.const_expr(not self.p_in_registers):
+        if cutlass.const_expr(not self.cfg.p_in_registers):
             p = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
             stmatrix = cute.make_tiled_copy_C(
                 sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), qk_mma
             )
             thr_store = stmatrix.get_slice(wtidx)
-            p_low = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, self.tile_n)), self.dtype)
+            p_low = cute.make_rmem_tensor(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)), self.dtype)
             p_store = (p_low, stmatrix, thr_store.retile(p_low), thr_store.partition_D(sP))
         # ACCUMULATE is fixed per MMA object, never set inside a loop (that would leak a
         # loop-local value): one object zero-fills S, the other accumulates.
         return MainLoopState(
-            qk_first=self._make_qk_mma(False), qk_rest=self._make_qk_mma(True), pv=self._make_pv_mma(True),
+            qk_first=self._make_qk_mma(False),
+            qk_rest=self._make_qk_mma(True),
+            pv=self._make_pv_mma(True),
             thr_pv=thr_pv,
             tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),
             tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
             tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sV)),
-            coords_s=thr_qk.partition_C(cute.make_identity_tensor((64, self.tile_n))),
-            p=p, p_store=p_store,
-            acc_o=acc_o, row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v,
-            seqlen_q=sizes.seqlen_q, seqlen_k=sizes.seqlen_k, gq=sizes.gq, gk=sizes.gk, warpgroup=wg, wtidx=wtidx,
-            args=sizes.args, held=held,
-            split_work=sizes.split_work, split_flags=sizes.split_flags,
+            coords_s=thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, self.tile_n))),
+            p=p,
+            p_store=p_store,
+            acc_o=acc_o,
+            row_max=row_max,
+            row_sum=row_sum,
+            pipe_k=pipe_k,
+            pipe_v=pipe_v,
+            seqlen_q=sizes.seqlen_q,
+            seqlen_k=sizes.seqlen_k,
+            gq=sizes.gq,
+            gk=sizes.gk,
+            warpgroup=wg,
+            wtidx=wtidx,
+            args=sizes.args,
+            held=held,
+            split_work=sizes.split_work,
+            split_flags=sizes.split_flags,
         )
 
     @cute.jit
@@ -560,7 +540,7 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if cutlass.const_expr(self.pingpong):
+        if cutlass.const_expr(self.cfg.pingpong):
             if wg == self.num_consumers - 1:
                 self.pass_turn(wg)  # the last warpgroup lets the first one start
         if cutlass.const_expr(self.o_shared):
@@ -569,14 +549,30 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         held = None  # chained query tiles: O, P and the held tile's state, kept across tiles
         if cutlass.const_expr(self.chain):
             held = self.make_held(self._make_pv_mma().get_slice(wtidx), sO, tma_o, mO, mLSE)
-        items = self.scheduler.items_per_cta(sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs,
-                                             sizes.n_keys)
+        items = self.scheduler.items_per_cta(
+            sizes.num_m_blocks, sizes.heads_batches, sizes.grid, sizes.pairs, sizes.n_keys
+        )
         for item in cutlass.range(items, unroll=1):
             _, ok, _, _ = self.scheduled(item, sizes)
             if ok:
                 q_state, k_state, v_state = self.consume_tile(
-                    sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg, wtidx, sizes, q_state, k_state, v_state,
-                    held
+                    sQ,
+                    sK,
+                    sV,
+                    sO,
+                    sP,
+                    sTiles,
+                    pipes,
+                    tma_o,
+                    mO,
+                    mLSE,
+                    wg,
+                    wtidx,
+                    sizes,
+                    q_state,
+                    k_state,
+                    v_state,
+                    held,
                 )
         if cutlass.const_expr(self.chain):
             if held.pending[0] != 0:  # the CTA's last tile ends alone
@@ -586,30 +582,51 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store reads shared memory
 
     @cute.jit
-    def consume_tile(self, sQ, sK, sV, sO, sP, sTiles, pipes, tma_o, mO, mLSE, wg: Int32, wtidx: Int32, sizes,
-                     q_state, k_state, v_state, held):
+    def consume_tile(
+        self,
+        sQ,
+        sK,
+        sV,
+        sO,
+        sP,
+        sTiles,
+        pipes,
+        tma_o,
+        mO,
+        mLSE,
+        wg: Int32,
+        wtidx: Int32,
+        sizes,
+        q_state,
+        k_state,
+        v_state,
+        held,
+    ):
         """One query tile: main loop, then the epilogue (chained: the epilogue of the tile held
         before it runs within its first step, and its own waits for the next tile's)."""
         pipe_q = pipes[0]
-        loop = self.make_loop_state(self.q_rows(sQ, q_state.index * self.num_consumers + wg), sK, sV, sP, pipes,
-                                    wg, wtidx, sizes, held)
+        loop = self.make_loop_state(
+            self.q_rows(sQ, q_state.index * self.num_consumers + wg), sK, sV, sP, pipes, wg, wtidx, sizes, held
+        )
         q_slot = self.q_slot(q_state, wg)
         pipe_q.consumer_wait(q_slot)  # this tile's Q, and its info from the producer
-        loop.pipe_q, loop.q_state = pipe_q, q_slot  # (released in the main loop: releases_q_early)
-        t = self.received_tile(sTiles, q_slot.index)
-        t.row_base = t.m_block * self.tile_m + wg * 64
+        received = self.received_tile(sTiles, q_slot.index)
+        t = dataclasses.replace(received, row_base=received.m_block * self.tile_m + wg * WGMMA_M)
         document = None
         if cutlass.const_expr(self.scheduler.ranked):  # the tile's document bounds (tile_info)
             document = tuple(getattr(t, name) for name in self.document_fields)
-        loop.row_start, loop.row_end = self.key_tiles.row_ranges(
+        row_start, row_end = self.key_tiles.row_ranges(
             rows_cols_view(loop.coords_s), t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args, document
         )
-        loop.batch, loop.head = t.batch, t.head
+        # (Q is released in the main loop: releases_q_early)
+        loop = dataclasses.replace(
+            loop, pipe_q=pipe_q, q_state=q_slot, row_start=row_start, row_end=row_end, batch=t.batch, head=t.head
+        )
         # the highest key tiles may be masked for every row of this warpgroup (the diagonal of a
         # 192-row tile, rows past Sq): the main loop passes them by without MMAs
         if cutlass.const_expr(self.skips_masked_tiles):
             end = self.key_tiles.rows_tile_end(t.row_base, t.batch, sizes.seqlen_q, sizes.seqlen_k, sizes.args)
-            t.skip = cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count)
+            t = dataclasses.replace(t, skip=cutlass.min(cutlass.max(t.n_max - end, 0), t.n_count))
         if cutlass.const_expr(self.chain):
             if t.n_count == 0 and held.pending[0] != 0:  # no first Q.K^T to go with: the held tile ends alone
                 v_state = self.flush_held(loop, v_state)
@@ -617,7 +634,8 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
             k_state, v_state = self.mainloop(loop, t, k_state, v_state)
         tile_sO, held = sO, None
         if cutlass.const_expr(self.o_over_v):
-            tile_sO, held = self.o_tile_over_v(loop, sO, wg, t, q_state, v_state)
+            tile_sO, held, v_read_barrier = self.o_tile_over_v(loop, sO, wg, t, q_state, v_state)
+            loop = dataclasses.replace(loop, v_read_barrier=v_read_barrier)
         if cutlass.const_expr(self.releases_q_early()):
             if self.sees_no_key_tile(t):  # (else the main loop released Q before its last P.V)
                 if cutlass.const_expr(self.o_over_v):
@@ -649,10 +667,9 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         Where d fits one 128-byte swizzle atom (d <= 64), the view carries the slot's offset as
         whole 1 KB atoms, so ptxas steps the wgmma descriptors through the k-blocks by OR-ing
         their offsets into the low word; a plain slice (unknown alignment) costs a 64-bit add
-        with carry per k-block inside the MMA issue. Measured on the H200 (both orders,
-        2026-12-02-s20c): d64 causal 1.011-1.015x. At larger d the k-blocks past the first atom
-        still carry (their offset crosses the known alignment) and the mixed issue measured
-        0.976x at d128 S=16384, 0.99x at d96 and d192, so they keep the plain slice."""
+        with carry per k-block inside the MMA issue. At larger d the k-blocks past the first atom
+        still carry (their offset crosses the known alignment), so they keep the plain slice
+        (decision mma-issue)."""
         if cutlass.const_expr(self.dqk <= Q_ATOM_COLS):
             offset = cute.assume(slot * self.q_stage_elems, divby=SMEM_ALIGN // 2)
             return cute.make_tensor(sQ.iterator + offset, sQ[None, None, 0].layout)
@@ -660,9 +677,14 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
 
     @cute.jit
     def held_tile_info(self, held, wg: Int32):
-        """The position of the tile a chained warpgroup holds (sm90_chain.hold_tile)."""
-        t = TileInfo(m_block=held.where[0], head=held.where[1], batch=held.where[2])
-        if cutlass.const_expr(self.split_tail):
-            t.split = held.where[3]
-        t.row_base = t.m_block * self.tile_m + wg * 64
-        return t
+        """The position of the tile a chained warpgroup holds (chain.hold_tile)."""
+        split = None
+        if cutlass.const_expr(self.cfg.split_tail):
+            split = held.where[3]
+        return TileInfo(
+            m_block=held.where[0],
+            head=held.where[1],
+            batch=held.where[2],
+            split=split,
+            row_base=held.where[0] * self.tile_m + wg * WGMMA_M,
+        )

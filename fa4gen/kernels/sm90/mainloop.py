@@ -1,32 +1,24 @@
 """The consumer warpgroup's main loop on Hopper: S = Q.K^T, softmax, O += P.V over key tiles.
 
-Two schedules, chosen by the plan:
-- serial: each MMA is waited for before the softmax that needs it;
-- overlapped (FA3's intra-warpgroup overlap): S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
-  together, and the softmax of S(n) runs while the tensor cores finish P.V (ptxas moves the P.V
-  wait above most of the softmax unless the plan pins it there, see release_after; with
-  ping-pong the other warpgroups' MMAs fill that wait).
+The schedule is FA3's intra-warpgroup overlap: S(n) = Q.K^T and O += P(n+1).V(n+1) are issued
+together, and the softmax of S(n) runs while the tensor cores finish P.V (ptxas moves the P.V
+wait above part of the softmax; with ping-pong the other warpgroups' MMAs fill that wait).
 With ping-pong the consumer warpgroups take turns issuing their MMAs (named barriers), so one
-warpgroup's softmax fills the time another's MMAs hold the tensor cores. With turnless edges a
-query tile's first Q.K^T and last P.V are issued outside the turns (flash-attn-4's Hopper path
-does the same), so a warpgroup changes tile (last P.V, epilogue, first S and softmax) without
-waiting on the others; every warpgroup then takes n_count - 1 turns per query tile.
+warpgroup's softmax fills the time another's MMAs hold the tensor cores.
 
 With a stale max (``stale_max``), key tiles without mask code skip the tile's row max: their scores
 are exponentiated against the rows' running max and the row sums say whether the max must move
 (softmax.stale_exponentials and settle; recompute_scores where the exponentials overflowed).
 
-Key tiles run from the highest down (or in a block mask's list order, or, without mask bounds
-and with rotated key tiles, from an offset per query tile): the first tile always runs the mask
+Key tiles run from the highest down (or in a block mask's list order): the first tile always runs the mask
 (it may hold the diagonal or the ragged end of Sk). After it, with mask runs, the tiles crossing
 the right bound, the interior and the tiles crossing the left bound (masking.py) are three loops
 traced with and without the mask code; otherwise a run-time flag per tile says whether it crosses
-a bound, is the ragged end of Sk (rotated) or, with a block mask, is partial. Either way interior
+a bound or, with a block mask, is partial. Either way interior
 and full tiles skip the mask code. Where rows can start past key 0 (left windows, chunks,
 documents), the mask compares the rows' starts only in key tiles below split_lo (masking.py): the
 left run, and the first tile when it lies there, which is traced in both forms and chosen per
-query tile (on packed documents, 1.038x over comparing both bounds everywhere; choosing inside
-the mask instead, a branch within the tile, 1.026x). The highest tiles of a query
+query tile (decision mask-compare). The highest tiles of a query
 tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
 Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
@@ -38,28 +30,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4gen.kernels.layout import convert_p, rows_cols_view, store_as_operand_a
-
-WARPGROUP_THREADS = 128
-TURN_BARRIER_BASE = 1  # named barriers 1..W order the consumers' MMA issue (0 is __syncthreads)
-EPILOGUE_BARRIER_BASE = 8  # named barriers 8..8+W-1: one per consumer warpgroup's epilogue
-O_TURN_BARRIER_BASE = 12  # named barriers 12..12+W-1: turns at a shared O staging buffer
-
-
-class MainLoopState:
-    """Per-thread fragments and pipelines of one consumer warpgroup, fixed for the whole kernel.
-
-    A plain holder filled once before any loop; nothing assigns to it inside one (a value made
-    inside a staged loop must not escape it)."""
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+from fa4gen.arch import WARPGROUP_THREADS
+from fa4gen.kernels.common.layout import convert_p, rows_cols_view, store_as_operand_a
+from fa4gen.kernels.sm90.config import NamedBarrier
 
 
 class Sm90MainLoop:
-    """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers, overlap,
-    pingpong, turnless_edges, mask_runs, interior_first_tile, pinned_pv_wait, p_in_registers, chain,
-    skips_masked_tiles, has_left_mask, has_right_mask, rotate_key_tiles, block_sparse, score_mod,
+    """Mixin for the Hopper forward kernel: needs tile_n, kv_stages, num_consumers,
+    pingpong, mask_runs, interior_first_tile, p_in_registers, chain,
+    skips_masked_tiles, has_left_mask, has_right_mask, block_sparse, score_mod,
     mask_mod, key_tiles, softmax, o_shared, o_over_v, key_block() and await_o_store()."""
 
     @cute.jit
@@ -69,17 +48,12 @@ class Sm90MainLoop:
         3 warpgroups, where a 192-row tile's diagonal makes that common); returns the advanced K
         and V pipeline states."""
         if cutlass.const_expr(self.skips_masked_tiles):
-            # a warpgroup that sees no key tile passes its first one by as an edge (turnless, as
-            # the first Q.K^T it stands for): the turn count per tile stays the visible path's
-            edge_skips = tile.skip - cutlass.min(tile.skip, tile.n_count - 1)
-            for _ in cutlass.range(tile.skip - edge_skips, unroll=1):
-                k_state, v_state = self.skip_tile(loop, k_state, v_state, False)
-            for _ in cutlass.range(edge_skips, unroll=1):
-                k_state, v_state = self.skip_tile(loop, k_state, v_state, True)
+            for _ in cutlass.range(tile.skip, unroll=1):
+                k_state, v_state = self.skip_tile(loop, k_state, v_state)
             if self.sees_no_key_tile(tile):
                 # nothing visible: the turn of the last P.V that never comes still passes
-                self.wait_turn(loop.warpgroup, edge=True)
-                self.pass_turn(loop.warpgroup, edge=True)
+                self.wait_turn(loop.warpgroup)
+                self.pass_turn(loop.warpgroup)
             else:
                 k_state, v_state = self.visible_tiles(loop, tile, tile.skip, k_state, v_state)
         else:
@@ -89,8 +63,8 @@ class Sm90MainLoop:
     def releases_q_early(self) -> bool:
         """Whether a warpgroup releases its Q rows before a query tile's last P.V (so the next
         tile's Q loads during it and the epilogue): where Q has one buffer and O is not staged
-        over it, and the overlapped schedule ends each tile with its own P.V."""
-        return self.q_stages == 1 and not self.o_over_q and self.overlap and not self.chain
+        over it, and each tile ends with its own P.V (unchained)."""
+        return self.q_stages == 1 and not self.o_over_q and not self.chain
 
     def sees_no_key_tile(self, tile):
         """Whether ``visible_tiles`` does not run for this warpgroup's rows of ``tile``: the tile
@@ -109,34 +83,34 @@ class Sm90MainLoop:
                 k_state, v_state = self.first_tile_of(loop, tile, first, k_state, v_state, False)
         else:
             k_state, v_state = self.first_tile_of(loop, tile, first, k_state, v_state, False)
-        if cutlass.const_expr(self.mask_runs):
+        if cutlass.const_expr(self.cfg.mask_runs):
             # key tiles go from the highest down: those crossing the right bound, the interior,
             # those crossing the left bound; each run is its own loop, traced with or without
             # the mask code, so no key tile branches on a flag
             right_end, left_start = self.mask_run_bounds(tile, start)
             # (the tiles crossing the right bound lie at or past every row's start: masking.py)
             if cutlass.const_expr(self.has_right_mask):
-                k_state, v_state = self.key_tile_run(loop, tile, start + 1, right_end, k_state, v_state, True,
-                                                     check_start=False)
+                k_state, v_state = self.key_tile_run(
+                    loop, tile, start + 1, right_end, k_state, v_state, True, check_start=False
+                )
             k_state, v_state = self.key_tile_run(loop, tile, right_end, left_start, k_state, v_state, False)
             if cutlass.const_expr(self.has_left_mask):
-                k_state, v_state = self.key_tile_run(loop, tile, left_start, tile.n_count, k_state, v_state, True,
-                                                     check_start=True)
+                k_state, v_state = self.key_tile_run(
+                    loop, tile, left_start, tile.n_count, k_state, v_state, True, check_start=True
+                )
         else:
             k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
-        if cutlass.const_expr(self.overlap and not self.chain):
+        if cutlass.const_expr(not self.chain):
             if cutlass.const_expr(self.releases_q_early()):
                 loop.pipe_q.consumer_release(loop.q_state)  # the last Q.K^T is done
             v_state = self.pv_product(loop, v_state)
-        elif cutlass.const_expr(not self.overlap):
-            v_state = k_state.clone()
         # (chained: the last P.V waits for the next query tile's first Q.K^T, or the flush)
         return k_state, v_state
 
     @cute.jit
     def first_tile_of(self, loop, tile, first: Int32, k_state, v_state, chained: bool):
         """The first key tile in the form its bounds need, each form traced apart (no branch
-        inside); ``chained``: issued with the held query tile's last P.V (sm90_chain.py)."""
+        inside); ``chained``: issued with the held query tile's last P.V (chain.py)."""
         if cutlass.const_expr(self.key_tiles.starts_at_zero):
             k_state, v_state = self.first_past_starts(loop, tile, first, k_state, v_state, chained)
         elif first < tile.split_lo:
@@ -149,7 +123,7 @@ class Sm90MainLoop:
     def first_past_starts(self, loop, tile, n_block: Int32, k_state, v_state, chained: bool):
         """The first key tile where it lies at or past every row's start: masked by the rows'
         ends, or not at all where it lies below split_hi (an interior tile)."""
-        if cutlass.const_expr(self.interior_first_tile):
+        if cutlass.const_expr(self.cfg.interior_first_tile):
             if n_block < tile.split_hi:
                 k_state, v_state = self.first_tile_as(loop, tile, n_block, k_state, v_state, False, False, chained)
             else:
@@ -159,17 +133,15 @@ class Sm90MainLoop:
         return k_state, v_state
 
     @cute.jit
-    def first_tile_as(self, loop, tile, n_block: Int32, k_state, v_state, masked: bool, check_start: bool,
-                      chained: bool):
+    def first_tile_as(
+        self, loop, tile, n_block: Int32, k_state, v_state, masked: bool, check_start: bool, chained: bool
+    ):
         """A query tile's first key tile, ``masked`` or not (``check_start``: whether the mask
         compares the rows' starts, see masking.bounds_of_rows)."""
         if cutlass.const_expr(chained):
             k_state, v_state = self.chained_first_tile(loop, tile, n_block, k_state, v_state, masked, check_start)
-        elif cutlass.const_expr(self.overlap):
-            k_state = self.first_tile(loop, tile, n_block, k_state, masked, check_start)
         else:
-            self.await_o_store(loop.warpgroup)  # O staged over P: the last store has read P's tile
-            k_state = self.serial_tile(loop, tile, n_block, k_state, masked, check_start)
+            k_state = self.first_tile(loop, tile, n_block, k_state, masked, check_start)
         return k_state, v_state
 
     @cute.jit
@@ -191,22 +163,19 @@ class Sm90MainLoop:
             flag = masked
             if cutlass.const_expr(masked is None):
                 flag = self.needs_mask(loop, tile, i, n_block)
-            if cutlass.const_expr(self.overlap):
-                k_state, v_state = self.overlapped_tile(loop, tile, n_block, k_state, v_state, flag, check_start)
-            else:
-                k_state = self.serial_tile(loop, tile, n_block, k_state, flag, check_start)
+            k_state, v_state = self.overlapped_tile(loop, tile, n_block, k_state, v_state, flag, check_start)
         return k_state, v_state
 
     @cute.jit
-    def skip_tile(self, loop, k_state, v_state, edge: bool):
+    def skip_tile(self, loop, k_state, v_state):
         """A key tile masked for every row of this warpgroup: its K and V stages are waited for
         (never released before the producer filled them) and released untouched; with ping-pong
-        the warpgroup still takes and passes the turn its MMAs would have taken (``edge``: it
-        stands in for a tile's first Q.K^T), so the turn ring stays in step."""
+        the warpgroup still takes and passes the turn its MMAs would have taken, so the turn
+        ring stays in step."""
         loop.pipe_k.consumer_wait(k_state)
         loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup, edge)
-        self.pass_turn(loop.warpgroup, edge)
+        self.wait_turn(loop.warpgroup)
+        self.pass_turn(loop.warpgroup)
         loop.pipe_k.consumer_release(k_state)
         loop.pipe_v.consumer_release(v_state)
         k_state.advance()
@@ -218,9 +187,8 @@ class Sm90MainLoop:
         """Whether the i-th visited key tile ``n_block`` (not the first, which is always masked)
         needs mask code: a run-time flag, so masked and interior tiles share one traced loop
         body and only boundary tiles execute it. With a block mask, its 'full' flag decides; with
-        structural bounds, whether the tile crosses one; with rotated key tiles, whether it is
-        the ragged last tile of Sk; otherwise it is the constant False (the only ragged tile, the
-        last one of Sk, is the first tile)."""
+        structural bounds, whether the tile crosses one; otherwise it is the constant False (the
+        only ragged tile, the last one of Sk, is the first tile)."""
         masked = False
         if cutlass.const_expr(self.block_sparse):
             masked = loop.args.block_full[tile.mask_b, tile.mask_h, tile.m_block, i] == 0
@@ -230,27 +198,21 @@ class Sm90MainLoop:
             masked = n_block >= tile.split_hi
         elif cutlass.const_expr(self.has_left_mask):
             masked = n_block < tile.split_lo
-        elif cutlass.const_expr(self.rotate_key_tiles):
-            masked = n_block >= tile.split_hi  # the ragged last tile of Sk, wherever it comes
         return masked
 
     # ------------------------------------------------------------------ ping-pong turns
-    def _takes_turn(self, edge: bool) -> bool:
-        """Whether an MMA issue takes a ping-pong turn (``edge``: a tile's first Q.K^T or last P.V)."""
-        return self.pingpong and not (edge and self.turnless_edges)
-
     @cute.jit
-    def wait_turn(self, wg: Int32, edge: bool = False):
+    def wait_turn(self, wg: Int32):
         """Block until the previous warpgroup has issued its MMAs."""
-        if cutlass.const_expr(self._takes_turn(edge)):
-            cute.arch.barrier(barrier_id=TURN_BARRIER_BASE + wg, number_of_threads=2 * WARPGROUP_THREADS)
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=NamedBarrier.TURN + wg, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def pass_turn(self, wg: Int32, edge: bool = False):
+    def pass_turn(self, wg: Int32):
         """Let the next warpgroup issue its MMAs (ours are queued)."""
-        if cutlass.const_expr(self._takes_turn(edge)):
+        if cutlass.const_expr(self.cfg.pingpong):
             following = (wg + 1) % self.num_consumers
-            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + following, number_of_threads=2 * WARPGROUP_THREADS)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.TURN + following, number_of_threads=2 * WARPGROUP_THREADS)
 
     # ------------------------------------------------------------------ MMAs
     @cute.jit
@@ -302,14 +264,14 @@ class Sm90MainLoop:
         Rows past Sq score 0, as the zero-filled Q rows of the wgmma give."""
         coords = rows_cols_view(loop.coords_s)
         col_base = n_block * self.tile_n
-        kv_head = loop.head // self.qhead_per_kvhead
+        kv_head = loop.head // self.cfg.qhead_per_kvhead
         # one key at a time, its dot products over d in a loop: a few addresses live, where all
         # the keys' at once spilled the 112 registers of 4-warpgroup kernels
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             key = cutlass.min(col_base + coords[0, c][1], loop.seqlen_k - 1)
             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                 scores[r, c] = Float32(0.0)
-            for d in cutlass.range(self.head_dim, unroll=1):
+            for d in cutlass.range(self.cfg.head_dim, unroll=1):
                 k_value = loop.gk[key, d, kv_head, loop.batch].to(Float32)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                     row = tile.row_base + coords[r, 0][0]
@@ -326,8 +288,16 @@ class Sm90MainLoop:
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             row = tile.row_base + coords[r, 0][0]
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                scores[r, c] = self.score_mod(scores[r, c], loop.batch, loop.head, row, col_base + coords[0, c][1],
-                                              loop.seqlen_q, loop.seqlen_k, loop.args)
+                scores[r, c] = self.score_mod(
+                    scores[r, c],
+                    loop.batch,
+                    loop.head,
+                    row,
+                    col_base + coords[0, c][1],
+                    loop.seqlen_q,
+                    loop.seqlen_k,
+                    loop.args,
+                )
 
     @cute.jit
     def mask_scores(self, loop, tile, scores, coords, col_base: Int32):
@@ -335,8 +305,9 @@ class Sm90MainLoop:
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             row = tile.row_base + coords[r, 0][0]
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                visible = self.mask_mod(loop.batch, loop.head, row, col_base + coords[0, c][1], loop.seqlen_q,
-                                        loop.seqlen_k, loop.args)
+                visible = self.mask_mod(
+                    loop.batch, loop.head, row, col_base + coords[0, c][1], loop.seqlen_q, loop.seqlen_k, loop.args
+                )
                 scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
 
     @cute.jit
@@ -347,20 +318,19 @@ class Sm90MainLoop:
 
         Each warp then waits only for itself: warp w holds S rows 16w..16w+15 (the wgmma
         accumulator layout), stmatrix writes exactly those rows of P, and in the P.V wgmma warp
-        w's 16 rows of O read only those rows of the A operand. A warpgroup barrier here held 7%
-        of the d96 main loop's stall samples (Nsight Compute on the H200) for no ordering the
-        MMA needs; one warp's sync measured 1.00-1.03x, outputs bit-identical (FlashAttention-3
-        and flash-attn-4 sync one warp here too).
+        w's 16 rows of O read only those rows of the A operand, so a warpgroup barrier orders
+        nothing the MMA needs (decision p-warp-sync; FlashAttention-3 and flash-attn-4 sync one
+        warp here too).
 
         Where O's rescale is skipped below a threshold (a branch), the overlapped tile calls
         this right after the P.V wait, before the branches of the V release and of the O
         rescale, with conversions LLVM cannot sink below them (layout.pack_pair_pinned): they
         stay in the exponentials' basic block, where ptxas interleaves the F2FP with the MUFU
-        ex2 instead of running them after the last one (measured 1.02x over 26 cells on the
-        H200, d96 1.04-1.09x, outputs bit-identical). Where O is rescaled every tile (no branch)
+        ex2 instead of running them after the last one (decision pinned-p-conversions). Where O is
+        rescaled every tile (no branch)
         the conversions are plain and follow the V release (see pins_p_conversions)."""
         pinned = self.pins_p_conversions()
-        if cutlass.const_expr(self.p_in_registers):
+        if cutlass.const_expr(self.cfg.p_in_registers):
             store_as_operand_a(acc_s, loop.p, pinned)
         else:
             p_low, stmatrix, source, target = loop.p_store
@@ -371,43 +341,22 @@ class Sm90MainLoop:
 
     def pins_p_conversions(self) -> bool:
         """Whether P's conversions are pinned above the branches (store_p): with a rescale
-        threshold. Without one there is no rescale branch to keep them above, and at d64 (when
-        its plans rescaled every tile) plain conversions after the V release measured
-        1.006-1.038x the threshold's kernel on the H200, pinned ones 0.99-1.01x
-        (benchmarks/results/2026-12-01-zx, -zw). With a stale max (stale_probs) they are stored
-        right after the P.V wait, before the row-sum check, and again where it moves a row's
-        reference."""
+        threshold. Without one there is no rescale branch to keep them above, and plain
+        conversions after the V release measured faster (decision pinned-p-conversions). With a
+        stale max (stale_probs) they are stored right after the P.V wait, before the row-sum check,
+        and again where it moves a row's reference."""
         return self.softmax.rescale_threshold > 0.0
 
     # ------------------------------------------------------------------ one key tile
     @cute.jit
-    def serial_tile(self, loop, tile, n_block: Int32, k_state, masked, check_start=None):
-        acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
-        loop.pipe_k.consumer_wait(k_state)
-        warpgroup.fence()
-        self.issue_qk(loop, acc_s, k_state.index)
-        warpgroup.wait_group(0)
-        loop.pipe_k.consumer_release(k_state)
-        correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
-        self.store_p(loop, acc_s)
-        self.softmax.rescale(rows_cols_view(loop.acc_o), correction)
-        loop.pipe_v.consumer_wait(k_state)
-        warpgroup.fence()
-        self.issue_pv(loop, k_state.index)
-        warpgroup.wait_group(0)
-        loop.pipe_v.consumer_release(k_state)
-        k_state.advance()
-        return k_state
-
-    @cute.jit
     def first_tile(self, loop, tile, n_block: Int32, k_state, masked: bool, check_start: bool):
-        """Overlapped schedule, prologue: S and P of the first tile; its P.V waits for the next."""
+        """A query tile's first key tile: S and P; its P.V goes with the next tile's Q.K^T."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         loop.pipe_k.consumer_wait(k_state)
-        self.wait_turn(loop.warpgroup, edge=True)
+        self.wait_turn(loop.warpgroup)
         warpgroup.fence()
         self.issue_qk(loop, acc_s, k_state.index)
-        self.pass_turn(loop.warpgroup, edge=True)
+        self.pass_turn(loop.warpgroup)
         self.await_o_store(loop.warpgroup)  # O staged over P: the last store has read P's tile
         warpgroup.wait_group(0)
         loop.pipe_k.consumer_release(k_state)
@@ -422,25 +371,27 @@ class Sm90MainLoop:
         the tensor cores finish P.V; then O is corrected and S(n) becomes the next P."""
         acc_s = cute.make_rmem_tensor(loop.coords_s.shape, Float32)
         self.issue_qk_with_pv(loop, acc_s, k_state, v_state)
-        if cutlass.const_expr(not self.pinned_pv_wait):
-            loop.pipe_k.consumer_release(k_state)
-        stale = self.stale_max and masked is False  # (a key tile without mask code)
+        loop.pipe_k.consumer_release(k_state)
+        stale = self.cfg.stale_max and masked is False  # (a key tile without mask code)
         if cutlass.const_expr(stale):
             sums = cute.make_rmem_tensor(cute.make_layout(self.softmax.num_rows), Float32)
             self.stale_probs(loop, tile, acc_s, n_block, sums)
         else:
             correction = self.scores_to_probs(loop, tile, acc_s, n_block, masked, check_start)
-            sums = loop.row_sum
-        if cutlass.const_expr(self.pinned_pv_wait):
-            self.release_after(loop.pipe_k, k_state, sums)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pins_p_conversions()):
             self.store_p(loop, acc_s)  # before the branches of the release and the rescale
         if cutlass.const_expr(stale):
             correction = cute.make_rmem_tensor(cute.make_layout(self.softmax.num_rows), Float32)
-            self.softmax.settle(rows_cols_view(acc_s), loop.row_max, loop.row_sum, sums, correction,
-                                recompute=lambda scores: self.recompute_scores(loop, tile, scores, n_block),
-                                restore=lambda: self.store_p(loop, acc_s))
+            self.softmax.settle(
+                rows_cols_view(acc_s),
+                loop.row_max,
+                loop.row_sum,
+                sums,
+                correction,
+                recompute=lambda scores: self.recompute_scores(loop, tile, scores, n_block),
+                restore=lambda: self.store_p(loop, acc_s),
+            )
         loop.pipe_v.consumer_release(v_state)
         if cutlass.const_expr(not self.pins_p_conversions()):
             self.store_p(loop, acc_s)  # plain conversions: no rescale branch to sink below
@@ -463,30 +414,13 @@ class Sm90MainLoop:
         warpgroup.wait_group(1)
 
     @cute.jit
-    def release_after(self, pipe, state, row_sum: cute.Tensor):
-        """``pipe.consumer_release(state)`` issued only once every row sum is known.
-
-        ptxas keeps an mbarrier arrive ahead of a later wgmma wait but, as the wait has no
-        operands, otherwise schedules the wait as early as it can: in the overlapped tile it put
-        the P.V wait after 11-26 of 66 exponentials, so the warpgroup sat out its own P.V instead
-        of computing its softmax meanwhile. The arrive's barrier index carries a term that is
-        always 0 (a sum of exponentials is never negative, and NaN compares false) but that
-        ptxas cannot know, so the arrive, and the wait behind it, follow the whole softmax."""
-        total = row_sum[0]
-        for r in cutlass.range_constexpr(1, cute.size(row_sum)):
-            total = total + row_sum[r]
-        never = Int32(cutlass.select_(total < Float32(0.0), Int32(1), Int32(0)))
-        if pipe.is_signaling_thread:
-            pipe.sync_object_empty.arrive(state.index + never, pipe.consumer_mask)
-
-    @cute.jit
     def pv_product(self, loop, v_state):
-        """Overlapped schedule, epilogue: the last tile's P.V."""
+        """A query tile's last P.V (the one no Q.K^T is issued with)."""
         loop.pipe_v.consumer_wait(v_state)
-        self.wait_turn(loop.warpgroup, edge=True)
+        self.wait_turn(loop.warpgroup)
         warpgroup.fence()
         self.issue_pv(loop, v_state.index)
-        self.pass_turn(loop.warpgroup, edge=True)
+        self.pass_turn(loop.warpgroup)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.o_over_v):
             pipe_v = loop.pipe_v

@@ -51,9 +51,8 @@ def pack_pair_pinned(low, high, pair_type: str, *, loc=None, ip=None) -> Int32:
     LLVM's machine sinking moves plain conversions below it, out of the basic block of the
     exponentials, so ptxas ran them after the last exponential instead of between them.
 
-    Rounding bf16 pairs with integer adds and a byte permute instead (three ALU instructions,
-    off the conversion unit) measured 0.89-0.94x on the H200 for every pair at d64 and 0.96-0.97x
-    for every other pair (benchmarks/results/2026-12-01-zq): the issue slots cost more."""
+    Rounding bf16 pairs with integer ALU instructions instead measured slower (decision
+    pinned-p-conversions)."""
     return Int32(
         llvm.inline_asm(
             T.i32(),

@@ -1,0 +1,46 @@
+"""Spec + arch -> Plan: which kernel runs the spec, its config, and a reason for every choice.
+
+``model`` holds the plan and its check (the kernel family's ``config_problem``), ``sm90`` the
+sm_90a default choices over the tables in ``sm90_tables``, ``candidates`` the variations
+``fa4gen tune`` times.
+"""
+
+from __future__ import annotations
+
+from fa4gen.arch import Arch, require_supported
+from fa4gen.planner.candidates import candidates
+from fa4gen.planner.model import Plan, SeqlenSplit, plan_problem, split_workspace_shape
+from fa4gen.planner.sm90 import plan_sm90, splits_sm90
+from fa4gen.spec import AttentionSpec
+
+_PLANNERS = {Arch.SM90A: plan_sm90}
+_SPLIT_PLANNERS = {Arch.SM90A: splits_sm90}
+
+
+def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
+    """Lower a spec to the schedule its kernel runs on ``arch`` (for the lengths that no
+    ``seqlen_splits`` entry covers)."""
+    return _PLANNERS[require_supported(arch)](spec)
+
+
+def seqlen_splits(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> tuple[SeqlenSplit, ...]:
+    """The plans that launches with query sequences in a given range run instead of
+    ``plan(spec, arch)`` (``fa4gen.compile`` picks per call; the ranges do not overlap)."""
+    return _SPLIT_PLANNERS[require_supported(arch)](spec)
+
+
+def plan_for_seqlen(spec: AttentionSpec, arch: Arch | str, seqlen_q: int) -> Plan:
+    """The plan a launch whose longest query sequence has ``seqlen_q`` rows runs."""
+    return next((s.plan for s in seqlen_splits(spec, arch) if s.covers(seqlen_q)), plan(spec, arch))
+
+
+__all__ = [
+    "Plan",
+    "SeqlenSplit",
+    "candidates",
+    "plan",
+    "plan_for_seqlen",
+    "plan_problem",
+    "seqlen_splits",
+    "split_workspace_shape",
+]

@@ -1,0 +1,92 @@
+"""The plan: which kernel runs a spec on an arch, its config, and a short reason per choice.
+
+A plan is a frozen model: everything the kernel needs as compile-time constants (its config,
+fa4gen.kernels.sm90.config) and nothing that depends on the machine doing the planning. Whether
+a plan can run is answered by the kernel family's one check (``config_problem``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict
+
+from fa4gen.arch import WARPGROUP_THREADS
+from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, config_smem_bytes, split_partial_words
+
+
+class Plan(BaseModel):
+    """How one spec runs on one arch: the kernel class, its config and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arch: str
+    kernel: str  # kernel class that runs this plan
+    config: Sm90FwdConfig
+    reasons: dict[str, str]  # config field -> why (fields the spec fixes have none)
+
+    @property
+    def smem_bytes(self) -> int:
+        return config_smem_bytes(self.config)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
+    def schedule_json(self) -> str:
+        """The plan as compact data, reasons left out: what the emitted module records."""
+        data = {"arch": self.arch, "kernel": self.kernel, "config": self.config.model_dump()}
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    def with_config(self, why: str, **update) -> Plan:
+        """A variation of this plan (tuning candidates, A/B scripts): ``update`` config fields,
+        each with ``why`` as its reason."""
+        config = self.config.model_copy(update=update)
+        return self.model_copy(update={"config": config, "reasons": {**self.reasons, **dict.fromkeys(update, why)}})
+
+    def describe(self) -> str:
+        lines = [f"plan for {self.arch} ({self.kernel})"]
+        for name, value in self.config.model_dump().items():
+            lines.append(f"  {name:26} {str(value):10} {self.reasons.get(name, '')}".rstrip())
+        lines.append(f"  {'smem_bytes':26} {self.smem_bytes}")
+        return "\n".join(lines)
+
+
+class SeqlenSplit(BaseModel):
+    """Another plan for launches whose longest query sequence has between ``min_seqlen_q`` and
+    ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    label: str  # names the range in CLI output and golden files (e.g. short)
+    min_seqlen_q: int = 1
+    max_seqlen_q: int | None = None
+    plan: Plan
+    reason: str
+
+    def covers(self, seqlen_q: int) -> bool:
+        return self.min_seqlen_q <= seqlen_q and (self.max_seqlen_q is None or seqlen_q <= self.max_seqlen_q)
+
+    def rows(self) -> str:
+        if self.max_seqlen_q is None:
+            return f"at least {self.min_seqlen_q} query rows"
+        if self.min_seqlen_q <= 1:
+            return f"at most {self.max_seqlen_q} query rows"
+        return f"{self.min_seqlen_q} to {self.max_seqlen_q} query rows"
+
+    def describe(self) -> str:
+        return f"{self.label} sequences ({self.rows()}) run this plan instead: {self.reason}\n{self.plan.describe()}"
+
+
+def plan_problem(p: Plan) -> str:
+    """Why the GPU cannot run ``p`` ("" when it can): the kernel family's one check."""
+    return config_problem(p.config)
+
+
+def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] | None:
+    """The split tail's fp32 workspace: per CTA and consumer warpgroup, each thread's partial
+    (split_partial_words), thread fastest; its int32 flags are the first two modes. None
+    without a split tail."""
+    c = p.config
+    if not c.split_tail:
+        return None
+    return num_ctas, c.num_consumer_warpgroups, split_partial_words(c.head_dim_v_padded), WARPGROUP_THREADS

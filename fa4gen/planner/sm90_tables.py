@@ -1,0 +1,205 @@
+"""The sm_90a planner tables: one tile row per head-dim bucket (with the rows some launch lengths
+or variants take instead) and the measured constants of the schedule. Each reason is a line or
+two citing its decision id; the measurements behind it are in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fa4gen.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class SplitTail:
+    """Where a row's launches split their ragged last round (split_tail): from ``min_seqlen_q``
+    query rows, a length range of its own (the split's code slows the launches it splits nothing
+    in), and there only where the query tiles visit at least ``min_key_tiles`` key tiles.
+    ``min_seqlen_q`` 1: every launch, in the row's own plan (no length range of its own)."""
+
+    min_seqlen_q: int
+    min_key_tiles: int
+    reason: str
+
+    @property
+    def every_length(self) -> bool:
+        """Whether every launch splits, in the row's own plan (no length range of its own)."""
+        return self.min_seqlen_q <= 1
+
+    def long_reason(self) -> str:
+        return f"from {self.min_seqlen_q} query rows the ragged last round of tiles is split between CTAs"
+
+    def elsewhere(self) -> str:
+        """Why a plan of the shorter launches keeps whole tiles."""
+        return (
+            f"launches of at least {self.min_seqlen_q} query rows split their tail (the long range); the split's "
+            "code slows shorter ones (decision split-tail)"
+        )
+
+
+SPLIT_TAIL = SplitTail(4096, 32, "from 4096 query rows and 32 key tiles per query tile (decision split-tail)")
+SPLIT_TAIL_FROM_2048 = SplitTail(2048, 16, "d64: from 2048 query rows and 16 key tiles (decision split-tail)")
+SPLIT_TAIL_EVERY_LENGTH = SplitTail(1, 16, "d192: at every length, from 16 key tiles (decision split-tail)")
+
+
+@dataclass(frozen=True)
+class TileRow:
+    max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
+    consumer_warpgroups: int
+    tile_n: int
+    kv_stages: int
+    pingpong: bool
+    reason: str
+    p_in_registers: bool = True  # False: P goes through shared memory (S + O fill the registers)
+    # specs without a mask or score modifier that keep the row's warpgroups and O's own buffer
+    # chain their query tiles, for this reason; None: they do not
+    unmasked_chain: str | None = None
+    # launches whose longest query sequence is short (or long) run another row, chosen per call
+    # (all compile together: a tile is a compile-time shape); of the short rows, the first that
+    # takes the spec
+    short: tuple[ShortRow, ...] = ()
+    long: LongRow | None = None
+    # specs without a mask split their launches' ragged last round from here on
+    split_tail: SplitTail = SPLIT_TAIL
+
+
+@dataclass(frozen=True)
+class ShortRow:
+    max_seqlen_q: int  # launches with at most this many query rows run ``row``
+    row: TileRow
+    # which specs take it: "any"; "causal": those with the causal bound (right_bound 0); "plain":
+    # no mask but the causal bound, no score modifier, softcap or sinks (the shapes it was measured on)
+    takes: Literal["any", "causal", "plain"] = "any"
+
+    def takes_spec(self, spec: AttentionSpec) -> bool:
+        if self.takes == "causal":
+            return spec.right_bound == 0
+        if self.takes == "plain":
+            return (
+                spec.right_bound in (None, 0)
+                and spec.left_bound is None
+                and spec.mask_kind is None
+                and spec.score_mod is None
+                and spec.softcap is None
+                and not spec.sinks
+            )
+        return True
+
+
+@dataclass(frozen=True)
+class LongRow:
+    min_seqlen_q: int  # launches with at least this many query rows run ``row``
+    row: TileRow
+
+
+SM90_D64_SHORT = TileRow(
+    max_head_dim=64,
+    consumer_warpgroups=2,
+    tile_n=128,
+    kv_stages=2,
+    pingpong=True,
+    reason="d64 causal, at most 1024 query rows: 128-row tiles idle fewer diagonal rows (decision tile-table)",
+)
+SM90_D64_SHORT_4WG = TileRow(
+    max_head_dim=64,
+    consumer_warpgroups=4,
+    tile_n=64,
+    kv_stages=4,
+    pingpong=True,
+    reason="d64 plain or causal, at most 1024 query rows: a warpgroup's own chain sets the pace, so 4 "
+    "warpgroups on 64-key tiles add throughput (decision tile-table)",
+)
+SM90_D96_SHORT = TileRow(
+    max_head_dim=96,
+    consumer_warpgroups=2,
+    tile_n=128,
+    kv_stages=2,
+    pingpong=True,
+    reason="d96, at most 1024 query rows: 128-row tiles leave fewer rows idle (decision tile-table)",
+)
+SM90_D96_LONG = TileRow(
+    max_head_dim=96,
+    consumer_warpgroups=3,
+    tile_n=144,
+    kv_stages=2,
+    pingpong=True,
+    p_in_registers=False,
+    reason="d96, at least 4096 query rows: 144-key tiles with O staged over P (decision tile-table)",
+)
+
+# sm_90a forward. Shared memory holds Q (tile_m x d) plus kv_stages x (K tile + V tile);
+# registers hold S (64 x tile_n), P and O (64 x dv) per consumer warpgroup.
+SM90_FWD_TILES: tuple[TileRow, ...] = (
+    TileRow(
+        max_head_dim=64,
+        consumer_warpgroups=3,
+        tile_n=128,
+        kv_stages=2,
+        pingpong=True,
+        reason="small d: 3 consumer warpgroups keep the tensor cores fed; S, P, O fit 160 registers "
+        "(decision tile-table)",
+        short=(ShortRow(1024, SM90_D64_SHORT_4WG, takes="plain"), ShortRow(1024, SM90_D64_SHORT, takes="causal")),
+        split_tail=SPLIT_TAIL_FROM_2048,
+    ),
+    TileRow(
+        max_head_dim=96,
+        consumer_warpgroups=3,
+        tile_n=128,
+        kv_stages=2,
+        pingpong=True,
+        p_in_registers=False,
+        reason="d96: 3 consumer warpgroups; S and O take 112 of 160 registers, so P goes through shared "
+        "memory (decision tile-table)",
+        short=(ShortRow(1024, SM90_D96_SHORT),),
+        long=LongRow(4096, SM90_D96_LONG),
+    ),
+    TileRow(
+        max_head_dim=128,
+        consumer_warpgroups=2,
+        tile_n=128,
+        kv_stages=2,
+        pingpong=True,
+        reason="d128: 128x128 tiles, 2 stages; S, P and O fit 240 registers (decision tile-table)",
+        unmasked_chain="d128 without a mask: each query tile's last P.V goes with the next tile's first Q.K^T "
+        "(decision chain-query-tiles)",
+    ),
+    TileRow(
+        max_head_dim=192,
+        consumer_warpgroups=2,
+        tile_n=128,
+        kv_stages=2,
+        pingpong=False,
+        reason="d<=192 (dv 128): Q + 2 stages of 128-key tiles = 208 KB of 227 (decision tile-table)",
+        split_tail=SPLIT_TAIL_EVERY_LENGTH,
+    ),
+    TileRow(
+        max_head_dim=256,
+        consumer_warpgroups=2,
+        tile_n=64,
+        kv_stages=2,
+        pingpong=False,
+        reason="d256: O takes 128 registers, so S shrinks to 64 keys; Q + 2 stages = 192 KB (decision tile-table)",
+    ),
+)
+
+# Causal pairs come in whole rounds, so the last round is ragged; the last PAIR_TAIL_ROUNDS rounds
+# go as single tiles, heaviest first, in launches with PAIR_TAIL_MIN_TILES query tiles per head
+PAIR_TAIL_ROUNDS = 2
+PAIR_TAIL_MIN_TILES = 20
+NO_PAIR_TAIL = {"pair_tail_rounds": 0, "pair_tail_min_tiles": 0}  # config fields of a schedule without the tail
+RESCALE_THRESHOLD_LOG2 = 8.0  # probabilities stay below 2^8: exact in fp32, fine in bf16/fp16 P
+# key tiles without mask code skip the tile's row max up to these head dims, and not with the
+# mask kinds it measured slower on (decision stale-max)
+STALE_MAX_MAX_D = 128
+STALE_MAX_SKIPS_MASKS = ("document", "expression")
+# (producer, consumer) registers per thread by consumer warpgroups: 128 x (p + W x c) fits the
+# CTA's register pool (config.register_pool; decision register-split)
+SM90_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
+# a window (or the causal pairs) at d > 192: the producer's per-tile bounds spilled at 24
+# registers (decision wide-window-split)
+SM90_WIDE_WINDOW_SPLIT = (40, 232)
+# d256 with per-score registers (bounds, coordinates): S back to 64 keys (decision pressure-step-back)
+SM90_PRESSURE_MAX_TILE_N_D256 = 64
+# the widest head dim whose kernels trace the first key tile a second time (decision interior-first-tile)
+INTERIOR_FIRST_TILE_MAX_D = 192
