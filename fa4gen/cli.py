@@ -6,6 +6,7 @@
     fa4gen tune spec.yaml --arch sm_90a          on a GPU: time candidate plans, record the fastest
     fa4gen warm specs/ --arch sm_90a -j 4        build every spec under a directory, in parallel
     fa4gen cache ls | verify | clear | export | import
+    fa4gen from-hf config.json --out specs/      one spec per attention layer type of a transformers model
 
 ``--cache-dir`` may be given before the command (global) or after it; it defaults to
 ``$FA4GEN_CACHE_DIR``, then ``$XDG_CACHE_HOME/fa4gen``, then ``~/.cache/fa4gen``.
@@ -341,6 +342,24 @@ def emit_command(
 def schema_command() -> None:
     """Print the JSON Schema of the spec format."""
     typer.echo(json.dumps(fa4gen.spec_json_schema(), indent=2))
+
+
+@app.command("from-hf")
+def from_hf_command(
+    config: Annotated[Path, typer.Argument(help="A transformers config.json.", dir_okay=False, show_default=False)],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the spec files (created if missing).", file_okay=False)
+    ] = Path("."),
+) -> None:
+    """Write one spec YAML per attention layer type of a transformers config.json, with
+    transformers' semantics (a header comment says which config field each value comes from)."""
+    from fa4gen.hf import hf_specs, write_hf_specs
+
+    with _reporting_errors():
+        specs = hf_specs(config)
+        paths = write_hf_specs(config, out)
+    for (name, item), path in zip(specs.items(), paths):
+        typer.echo(f"wrote {path}  {name}: {item.spec.summary()}")
 
 
 @app.command("version")

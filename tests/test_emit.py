@@ -271,10 +271,10 @@ def test_config_variant_fields_match_spec(spec):
     [
         (
             "gemma2-local",
-            {"window_left": 4096, "window_right": 0, "head_dim": 256, "qhead_per_kvhead": 2, "tile_n": 64},
+            {"window_left": 4095, "window_right": 0, "head_dim": 256, "qhead_per_kvhead": 2, "tile_n": 64},
             ["SOFTCAP = 50.0", "SCORE_MOD = score_mod"],
         ),
-        ("mistral-7b", {"window_left": 4096, "window_right": 0, "qhead_per_kvhead": 4}, ["SCORE_MOD = None"]),
+        ("mistral-7b", {"window_left": 4095, "window_right": 0, "qhead_per_kvhead": 4}, ["SCORE_MOD = None"]),
         ("llama3-8b", {"window_left": None, "window_right": 0, "qhead_per_kvhead": 4, "tile_n": 128}, []),
         ("vit", {"head_dim": 64, "window_left": None, "window_right": None, "kv_stages": 2}, []),
         ("deepseek-style", {"head_dim": 192, "head_dim_v": 128, "return_lse": True, "window_right": 0}, []),

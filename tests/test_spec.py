@@ -302,10 +302,13 @@ def test_spec_files_present():
     "stem, expected",
     [
         ("llama3-8b", dict(head_dim=128, qhead_per_kvhead=4, causal=True, dtype="bfloat16")),
-        ("mistral-7b", dict(head_dim=128, qhead_per_kvhead=4, causal=True, window_left=4096)),
-        ("gemma2-local", dict(head_dim=256, qhead_per_kvhead=2, causal=True, window_left=4096, softcap=50.0)),
+        ("mistral-7b", dict(head_dim=128, qhead_per_kvhead=4, causal=True, window_left=4095)),
+        ("gemma2-local", dict(head_dim=256, qhead_per_kvhead=2, causal=True, window_left=4095, softcap=50.0)),
         ("vit", dict(head_dim=64, causal=False)),
-        ("deepseek-style", dict(head_dim=192, head_dim_v=128, causal=True, return_lse=True)),
+        (
+            "deepseek-style",
+            dict(head_dim=192, head_dim_v=128, causal=True, return_lse=True, softmax_scale=0.1352337788608801),
+        ),
         ("qwen-fp16", dict(dtype="float16", head_dim=128, qhead_per_kvhead=8, causal=True)),
     ],
 )

@@ -7,7 +7,7 @@
 #   qhead_per_kvhead: 2
 #   softcap: 50.0
 #   softmax_scale: 0.0625
-#   window_left: 4096
+#   window_left: 4095
 #
 # plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)
 import cuda.bindings.driver as cuda
@@ -40,7 +40,7 @@ CONFIG = Sm90FwdConfig(
     head_dim_v=256,
     qhead_per_kvhead=2,
     scale_log2=1.4426950408889634,
-    window_left=4096,
+    window_left=4095,
     window_right=0,
     chunk=None,
     prefix_lm=False,

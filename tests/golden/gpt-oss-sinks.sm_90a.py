@@ -7,7 +7,7 @@
 #   qhead_per_kvhead: 8
 #   sinks: true
 #   softmax_scale: 0.125
-#   window_left: 128
+#   window_left: 127
 #
 # plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)
 import cuda.bindings.driver as cuda
@@ -30,7 +30,7 @@ CONFIG = Sm90FwdConfig(
     head_dim_v=64,
     qhead_per_kvhead=8,
     scale_log2=0.18033688011112042,
-    window_left=128,
+    window_left=127,
     window_right=0,
     chunk=None,
     prefix_lm=False,

@@ -6,7 +6,7 @@
 #   mask:
 #     kind: chunked
 #     size: 8192
-#   qhead_per_kvhead: 8
+#   qhead_per_kvhead: 5
 #   softmax_scale: 0.08838834764831843
 #
 # plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)
@@ -28,7 +28,7 @@ MASK_MOD = None
 CONFIG = Sm90FwdConfig(
     head_dim=128,
     head_dim_v=128,
-    qhead_per_kvhead=8,
+    qhead_per_kvhead=5,
     scale_log2=0.12751743082459868,
     window_left=None,
     window_right=0,

@@ -5,7 +5,7 @@
 #   head_dim_v: 128
 #   qhead_per_kvhead: 4
 #   softmax_scale: 0.08838834764831843
-#   window_left: 4096
+#   window_left: 4095
 #
 # plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)
 import cuda.bindings.driver as cuda
@@ -28,7 +28,7 @@ CONFIG = Sm90FwdConfig(
     head_dim_v=128,
     qhead_per_kvhead=4,
     scale_log2=0.12751743082459868,
-    window_left=4096,
+    window_left=4095,
     window_right=0,
     chunk=None,
     prefix_lm=False,
