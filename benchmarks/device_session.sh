@@ -2,8 +2,9 @@
 # A device session's GPU work in few device calls, kernels compiled beforehand on this machine
 # (the H200 image has no CuTe DSL compiler; see ../shared/device/README.md):
 #
-#   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 9 min;
-#                                                      # LABELS: schedule_options rows to add
+#   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 15 min;
+#                                                      # LABELS: schedule_options rows to add,
+#                                                      # or `tests`: the GPU tests' kernels only
 #   device call 1, carry .devfull/a:                    bash .devfull/a/unpack.sh
 #   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
 #       bash benchmarks/device_session.sh run PARTS [SEQLENS LABELS]
@@ -26,14 +27,16 @@ warm() {
     rm -rf .devcache && mkdir -p "$CACHE"
     # every warm below writes the same cache: one after the other, never two at once
     python tests/warm_gpu_cache.py "$CACHE"
-    FA4GEN_CACHE_DIR="$CACHE" python benchmarks/run.py warm --grid full
-    FA4GEN_CACHE_DIR="$CACHE" python benchmarks/variants.py warm
-    if [ -n "${1:-}" ]; then
-        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/schedule_options.py warm "" "$1"
+    if [ "${1:-}" != "tests" ]; then  # `warm tests`: only what the GPU tests need
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/run.py warm --grid full
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/variants.py warm
+        if [ -n "${1:-}" ]; then
+            FA4GEN_CACHE_DIR="$CACHE" python benchmarks/schedule_options.py warm "" "$1"
+        fi
     fi
-    # the GPU machine never reads kernel.ptx (it loads kernel.so): dropping it from the entries
+    # the GPU machine never reads kernel.ptx or kernel.cubin (it loads kernel.so): dropping them
     # keeps the carry under its 64 MiB limit
-    fa4gen --cache-dir "$CACHE" cache drop kernel.ptx
+    fa4gen --cache-dir "$CACHE" cache drop kernel.ptx kernel.cubin
     # the GPU machine has no toolchain metadata: it reads the one that compiled the cache
     python -c "from fa4gen.toolchain import toolchain; t = toolchain(); \
 print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolchain
@@ -48,7 +51,9 @@ run() {
     export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/env.txt"
     if [[ $parts == *,tests,* ]]; then
-        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/gpu.log" 2>&1 || true
+        # every GPU test module (transformers' when .devhf installed it: `bash .devhf/setup.sh`)
+        python3 -m pytest tests/test_gpu*.py tests/test_integration_*.py -m gpu -q -p no:cacheprovider \
+            --continue-on-collection-errors > "$OUT/gpu.log" 2>&1 || true
         tail -n 1 "$OUT/gpu.log"
     fi
     if [[ $parts == *,schedule,* ]]; then

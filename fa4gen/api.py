@@ -17,7 +17,7 @@ from typing import Any
 
 from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
-from fa4gen.cache import CacheEntry, KernelCache, default_cache_root, make_key
+from fa4gen.cache import CacheEntry, CacheMiss, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
 from fa4gen.planner import Plan, SeqlenSplit, plan, plan_problem, seqlen_splits
 from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
@@ -183,43 +183,71 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     cache_dir: str | Path | None = None,
     no_compile: bool | None = None,
     kernel_plan: Plan | None = None,
+    prepare: bool = False,
 ) -> AttentionKernel:
     """A callable for ``spec`` on the current GPU: ``o = fa4gen.compile(spec)(q, k, v)``.
 
-    Compiles on first use and caches on disk (``FA4GEN_CACHE_DIR``); later processes load the
-    artifact in milliseconds. The plan is ``kernel_plan`` if given (then it runs every call), else
-    the one ``fa4gen tune`` recorded for this spec on a GPU of this name, else the planner's; in
-    the last two cases calls whose longest query sequence falls in a range of
-    ``planner.seqlen_splits`` run that range's plan. With ``no_compile`` (or
-    ``FA4GEN_NO_COMPILE=1``) a cache miss raises ``fa4gen.CacheMiss`` instead of compiling.
+    Kernels come from the disk cache (``FA4GEN_CACHE_DIR``): later processes load them in
+    milliseconds. The plan is ``kernel_plan`` if given (then it runs every call), else the one
+    ``fa4gen tune`` recorded for this spec on a GPU of this name, else the planner's; in the last
+    two cases calls whose longest query sequence falls in a range of ``planner.seqlen_splits``
+    run that range's plan. A kernel missing from the cache is compiled on the first call that
+    runs it, so a first call compiles one kernel, not every range's (``prepare=True`` or
+    ``.prepare()`` builds them all now; ``fa4gen warm`` / ``fa4gen.build`` ahead of time). With
+    ``no_compile`` (or ``FA4GEN_NO_COMPILE=1``) a cache miss raises ``fa4gen.CacheMiss`` here.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.compile takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     cache = _process_cache(cache_dir)
     tuned = None if kernel_plan is not None else _tuned_for_this_device(spec, target, cache)
+    refuse = _no_compile_default() if no_compile is None else no_compile
+    chosen = kernel_plan or tuned or plan(spec, target)
+    ranges = () if kernel_plan is not None else seqlen_splits(spec, target)
     with cache.pinned():  # from lookup until every kernel is loaded: no process evicts one
-        result = build(spec, target, no_compile=no_compile, cache=cache, kernel_plan=kernel_plan or tuned)
-        if tuned is not None:  # build() adds the length ranges beside the planner's plan only
-            result = _with_splits(result, cache, no_compile)
-        splits = tuple(SplitKernel(split, _load(built, cache)) for split, built in result.splits)
-        return _load(result, cache, splits)
+        splits = tuple(SplitKernel(split, _kernel(spec, target, split.plan, cache, refuse)) for split in ranges)
+        kernel = _kernel(spec, target, chosen, cache, refuse, splits)
+    return kernel.prepare() if prepare else kernel
 
 
-def _load(result: BuildResult, cache: KernelCache, splits: tuple[SplitKernel, ...] = ()) -> AttentionKernel:
-    """The loaded kernel of one build (memoised per process, with its kernels for length ranges)."""
-    memo_key = (result.key, tuple(split.kernel.key for split in splits), str(cache.root))
+def _kernel(
+    spec: AttentionSpec,
+    target: Arch,
+    kernel_plan: Plan,
+    cache: KernelCache,
+    refuse: bool,
+    splits: tuple[SplitKernel, ...] = (),
+) -> AttentionKernel:
+    """The kernel of one plan (memoised per process, with its kernels for length ranges): loaded
+    now if the cache has it, else built and loaded on its first launch (CacheMiss if ``refuse``)."""
+    key = make_key(cache_key_parts(spec, kernel_plan, target))
+    memo_key = (key, tuple(split.kernel.key for split in splits), str(cache.root))
     with _loaded_lock:
         kernel = _loaded.get(memo_key)
-        if kernel is None:
-            function = load_function(result.entry.path, result.entry.meta.get("toolchain", toolchain())["cuda"])
-            kernel = AttentionKernel(
-                spec=result.spec,
-                plan=result.plan,
-                function=function,
-                key=result.key,
-                path=result.entry.path,
-                splits=splits,
-            )
-            _loaded[memo_key] = kernel
+        if kernel is not None:
+            return kernel
+        entry = cache.lookup(key)
+        function = builder = None
+        if entry is not None:
+            function = load_function(entry.path, entry.meta.get("toolchain", toolchain())["cuda"])
+        elif refuse:
+            raise CacheMiss(_miss_message(spec, target, cache))
+        else:
+
+            def builder() -> tuple[Any, Path]:
+                with cache.pinned():
+                    built = _build_plan(spec, target, kernel_plan, cache, no_compile=False)
+                    cuda = built.entry.meta.get("toolchain", toolchain())["cuda"]
+                    return load_function(built.entry.path, cuda), built.entry.path
+
+        kernel = AttentionKernel(
+            spec=spec,
+            plan=kernel_plan,
+            function=function,
+            key=key,
+            path=entry.path if entry is not None else None,
+            splits=splits,
+            builder=builder,
+        )
+        _loaded[memo_key] = kernel
     return kernel

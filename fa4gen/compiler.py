@@ -136,7 +136,9 @@ def build_artifact(spec: AttentionSpec, plan: Plan, emitted: EmittedKernel, out_
     started = time.perf_counter()
     try:
         options = f"--gpu-arch {plan.arch} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir={dump_dir}"
-        compiled = cute.compile(module.entry, *fake_arguments(spec, plan), options=options)
+        # no_jit_engine: the artifact is the exported object; a JIT engine for this process (built
+        # when it has a GPU of the target arch) would cost seconds of a first call for nothing
+        compiled = cute.compile(module.entry, *fake_arguments(spec, plan), options=options, no_jit_engine=True)
     except Exception as exc:  # surface as one error naming the variant, never raw MLIR alone
         raise CompileError(
             f"fa4gen failed to compile a valid spec ({spec.summary()}) for {plan.arch}; "

@@ -8,9 +8,12 @@ tensors against the spec before every launch and runs on torch's current stream.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import os
 import sys
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -89,6 +92,7 @@ class AttentionKernel:
         key: str = "",
         path: Path | None = None,
         splits: tuple[SplitKernel, ...] = (),
+        builder: Callable[[], tuple[Any, Path]] | None = None,
     ):
         self.spec = spec
         self.plan = plan
@@ -96,13 +100,39 @@ class AttentionKernel:
         self.path = path
         self.splits = splits  # the kernels of the planner's plans for ranges of query lengths
         self._function = function
+        # () -> (function, entry path): builds and loads this plan's kernel on its first launch
+        # (fa4gen.compile on a cache miss), so a first call compiles only the kernel it runs
+        self._builder = builder
+        self._build_lock = threading.Lock()
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
+        self.handle = op_handle(self)  # names this kernel to the torch custom op (fa4gen.custom_op)
 
     def __repr__(self) -> str:
         splits = "".join(f", {s.split.label} ({s.split.rows()})={s.kernel.key[:12]}" for s in self.splits)
         return f"AttentionKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]}{splits})"
+
+    @property
+    def built(self) -> bool:
+        """Whether this plan's kernel is compiled and loaded (its length ranges' may not be)."""
+        return self._function is not None
+
+    def prepare(self) -> AttentionKernel:
+        """Build and load the kernels of every length range now rather than on first use (what
+        ``fa4gen.compile`` leaves for later on a cache miss); returns self."""
+        for kernel in (self, *(split.kernel for split in self.splits)):
+            kernel._loaded_function()
+        return self
+
+    def _loaded_function(self):
+        if self._function is None:
+            with self._build_lock:  # one build per kernel, whichever thread launches first
+                if self._function is None:
+                    if self._builder is None:
+                        raise RuntimeError(f"{self!r} has no compiled function and nothing to build it with")
+                    self._function, self.path = self._builder()
+        return self._function
 
     def kernel_for(self, seqlen_q: int | None) -> AttentionKernel:
         """The kernel that runs a launch whose longest query sequence is ``seqlen_q`` rows: the
@@ -117,7 +147,15 @@ class AttentionKernel:
         (total, H, D) tensors delimited by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``max_seqlen_q``
         picks the kernel of its length range, if any; tiles cover the packed tokens). An
         expression mask runs with a block mask: ``block_mask`` from ``self.block_mask(...)``,
-        else one built on the GPU and cached per shape, scalar values and aux tensors."""
+        else one built on the GPU and cached per shape, scalar values and aux tensors.
+
+        While torch.compile traces (or with fake / meta tensors) the call is the custom op
+        ``torch.ops.fa4gen.forward`` (fa4gen.ops), which Dynamo and CUDA graphs treat as one
+        opaque kernel; eager calls launch directly."""
+        if _traced(q):
+            from fa4gen.custom_op import call
+
+            return call(self.handle, self.spec, q, k, v, out=out, lse=lse, **variant)
         kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
         return kernel._launch(q, k, v, out=out, lse=lse, **variant)
 
@@ -195,7 +233,7 @@ class AttentionKernel:
         if out.numel() > 0:
             num_ctas = multiprocessor_count(q.device)
             work, flags = split_workspace(self.plan, q.device, num_ctas)
-            self._function(q, k, v, out, lse, work, flags, num_ctas, *extras)
+            self._loaded_function()(q, k, v, out, lse, work, flags, num_ctas, *extras)
         if varlen:
             out = out.squeeze(0) if given_out is None else given_out
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
@@ -240,6 +278,27 @@ class AttentionKernel:
 
 
 BLOCK_MASK_CACHE_SIZE = 16
+
+
+def _traced(q) -> bool:
+    """Whether this call is traced rather than run: torch.compile (Dynamo), or tensors without
+    data (fake or meta) from make_fx / torch.export / shape propagation."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    return isinstance(q, torch.Tensor) and (type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta)
+
+
+def op_handle(kernel: AttentionKernel) -> str:
+    """The custom op's name for ``kernel`` (fa4gen.custom_op), registered for the process: fixed by
+    the kernels it runs (their cache keys), so a graph traced in one process names the same
+    kernel in the next. Kernels built outside the cache (no key) get a name of their own."""
+    from fa4gen.custom_op import register
+
+    keys = [kernel.key, *(split.kernel.key for split in kernel.splits)] if kernel.key else [f"object-{id(kernel)}"]
+    handle = "kernel-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:32]
+    return register(handle, kernel.spec, lambda: kernel)
 
 
 class SplitKernel(NamedTuple):

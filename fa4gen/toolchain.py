@@ -77,8 +77,29 @@ def package_root() -> Path:
 # Everything else in the package (spec, planner, emitter, compiler, kernels/, and any module
 # added later) is part of the fingerprint, so the default is to invalidate.
 HOST_ONLY_MODULES = frozenset(
-    {"__init__.py", "cli.py", "cache.py", "runtime.py", "api.py", "testing.py", "bench.py", "tuning.py", "blockmask.py"}
+    {
+        "__init__.py",
+        "api.py",
+        "bench.py",
+        "blockmask.py",
+        "cache.py",
+        "cache_archive.py",
+        "cache_base.py",
+        "cli.py",
+        "hf.py",
+        "custom_op.py",
+        "ops.py",
+        "runtime.py",
+        "testing.py",
+        "tuned.py",
+        "tuning.py",
+    }
 )
+HOST_ONLY_PACKAGES = frozenset({"integrations"})  # glue into other frameworks: calls kernels, never shapes one
+
+
+def _host_only(relative: Path) -> bool:
+    return relative.as_posix() in HOST_ONLY_MODULES or relative.parts[0] in HOST_ONLY_PACKAGES
 
 
 @lru_cache(maxsize=1)
@@ -91,7 +112,7 @@ def source_fingerprint() -> str:
     for label, root, pattern in roots:
         for path in sorted(root.rglob(pattern)):
             relative = path.relative_to(root)
-            if "__pycache__" in path.parts or (label == "fa4gen" and relative.as_posix() in HOST_ONLY_MODULES):
+            if "__pycache__" in path.parts or (label == "fa4gen" and _host_only(relative)):
                 continue
             digest.update(f"{label}/{relative.as_posix()}\0".encode())
             digest.update(path.read_bytes())

@@ -133,3 +133,196 @@ def test_run_returns_each_labels_ratio(monkeypatch, tmp_path, capsys):
     gains = ab_kernels.run(old_dir, new_dir, 4, "^x ")
     assert gains == {label: pytest.approx(ratio) for label, ratio in speed.items()}
     assert capsys.readouterr().out.splitlines()[-1] == f"geometric mean new/old over 2: {math.sqrt(1.10 * 0.95):.3f}"
+
+
+# benchmarks/first_call.py: the parts that run without a GPU
+
+import first_call  # noqa: E402
+
+
+def test_first_call_child_boot_compiles_and_loads_the_script_by_path(tmp_path):
+    compile(first_call.CHILD_BOOT, "<first_call child>", "exec")
+    stub = tmp_path / "stub.py"
+    stub.write_text("import json\n\ndef child(config):\n    print('noise')\n    print('FIRST_CALL_RESULT ' + config)\n")
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", first_call.CHILD_BOOT, str(stub), '{"x": 1}'], capture_output=True, text=True, check=True
+    )
+    assert first_call.parse_child_output(out.stdout) == {"x": 1}
+    with pytest.raises(ValueError):
+        first_call.parse_child_output("noise only\n")
+
+
+def test_first_call_arguments_and_job_order():
+    args = first_call.parse_args([])
+    assert (args.variants, args.repeat, args.both_repeat, args.import_repeat) == (["a", "b", "c", "d"], 3, 1, 5)
+    quick = first_call.parse_args(["--quick", "--out", "x.json"])
+    assert (quick.variants, quick.repeat, quick.both_repeat, quick.import_repeat) == (["a"], 1, 1, 1)
+    assert quick.out == "x.json"
+    with pytest.raises(SystemExit):
+        first_call.parse_args(["--variants", "a,z"])
+
+    jobs = first_call.plan_jobs(["a", "b", "c", "d"], repeat=3, both_repeat=1, import_repeat=5)
+    assert len(jobs) == 1 + 5 + 4 * 3 * 2 * 2 + 4 * 2
+    assert jobs[0].kind == "warmup" and all(job.kind == "import" for job in jobs[1:6])
+    cells = jobs[6:]
+    a_jobs = [i for i, job in enumerate(cells) if job.variant == "a"]
+    assert a_jobs == list(range(len(a_jobs))) and len(a_jobs) == 3 * 4 + 2  # the issue's variant first
+    firsts = [job for job in cells if job.variant != "a" and job.repeat == 0]
+    assert cells.index(firsts[-1]) < min(cells.index(job) for job in cells if job.variant != "a" and job.repeat > 0)
+    paid = [job.libs for job in cells if job.variant == "b" and job.kind == "paid"]
+    assert paid == [("fa4gen",), ("fa4",), ("fa4",), ("fa4gen",), ("fa4gen",), ("fa4",)]  # alternating order
+    both = [job.libs for job in cells if job.kind == "both" and job.variant == "c"]
+    assert both == [("fa4gen", "fa4"), ("fa4", "fa4gen")]
+    quick_jobs = first_call.plan_jobs(quick.variants, quick.repeat, quick.both_repeat, quick.import_repeat)
+    kinds = ["warmup", "import", "paid", "paid", "notpaid", "notpaid", "both", "both"]
+    assert [job.kind for job in quick_jobs] == kinds
+
+
+def test_first_call_variants_map_to_both_apis():
+    import fa4gen
+
+    window = first_call.VARIANTS["d"]
+    spec = fa4gen.AttentionSpec(**window.fa4gen_spec_kwargs())
+    assert (spec.window_left, spec.causal, spec.qhead_per_kvhead) == (1023, True, 4)
+    assert window.fa4_kwargs() == {"causal": True, "window_size": (1023, 0), "softcap": 0.0}
+    issue = first_call.VARIANTS["a"]
+    spec = fa4gen.AttentionSpec(**issue.fa4gen_spec_kwargs())
+    assert (spec.head_dim, spec.softcap, spec.causal, spec.window_left) == (128, 30.0, True, None)
+    assert issue.fa4_kwargs() == {"causal": True, "window_size": (None, None), "softcap": 30.0}
+    assert first_call.VARIANTS["b"].fa4_kwargs()["causal"] is False
+    assert first_call.VARIANTS["c"].fa4gen_spec_kwargs()["head_dim"] == 64
+
+
+def test_first_call_reference_matches_sdpa_and_softcap():
+    import torch
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 33, 8, 16)
+    k = torch.randn(2, 33, 2, 16)
+    v = torch.randn(2, 33, 2, 16)
+    kr, vr = (t.repeat_interleave(4, dim=2).transpose(1, 2) for t in (k, v))
+    rows, cols = torch.arange(33).view(-1, 1), torch.arange(33).view(1, -1)
+    for causal, left in ((False, None), (True, None), (True, 5)):
+        keep = torch.ones(33, 33, dtype=torch.bool)
+        if causal:
+            keep &= cols <= rows
+        if left is not None:
+            keep &= cols >= rows - left
+        expect = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, attn_mask=keep)
+        got = first_call.reference(q, k, v, causal=causal, window_left=left, softcap=None)
+        torch.testing.assert_close(got, expect.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    # softcap on one query head (head 5 reads key head 1)
+    got = first_call.reference(q, k, v, causal=False, window_left=None, softcap=2.0)
+    scores = 2.0 * torch.tanh(q[0, :, 5] @ k[0, :, 1].T / 4.0 / 2.0)
+    torch.testing.assert_close(got[0, :, 5], torch.softmax(scores, -1) @ v[0, :, 1], atol=1e-5, rtol=1e-5)
+
+
+def test_first_call_time_limit_skips_what_would_end_late():
+    now = [0.0]
+    seconds = {"warmup": 5.0, "import": 2.0, "paid": 10.0, "notpaid": 10.0, "both": 20.0}
+
+    def runner(job):
+        now[0] += seconds[job.kind]
+        return {"kind": job.kind}
+
+    jobs = first_call.plan_jobs(["a", "b"], repeat=2, both_repeat=1, import_repeat=2)
+    done, skipped = first_call.run_jobs(jobs, runner, time_limit=100.0, clock=lambda: now[0])
+    assert [run["job"]["kind"] for run in done][:3] == ["warmup", "import", "import"]
+    assert now[0] <= 100.0 and len(done) + len(skipped) == len(jobs) and skipped
+    assert all(run["wall_s"] == seconds[run["job"]["kind"]] for run in done)
+
+
+def _run(kind, variant, libs, **per_lib):
+    return {
+        "job": {"kind": kind, "variant": variant, "libs": list(libs), "repeat": 0},
+        "result": {"libs": {lib: per_lib[lib] for lib in libs}},
+    }
+
+
+def _lib(total, first, ok=True, build=None):
+    row = {"total_s": total, "first_s": first, "import_s": total - first, "compile_s": 0.5, "call_s": first - 0.5}
+    row.update({"steady_ms": 0.2, "max_err": 1e-3, "ok": ok})
+    if build is not None:
+        row["build"] = {"kernels_built": build[0], "compile_seconds_sum": build[1]}
+    return row
+
+
+def test_first_call_summary_medians_ratios_and_tables():
+    runs = [
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(6.0, 4.0, build=(1, 3.0))),
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(9.0, 5.0, build=(1, 4.0))),
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(7.0, 4.5, build=(1, 3.5))),
+        _run("paid", "a", ["fa4"], fa4=_lib(8.0, 4.0)),
+        _run("notpaid", "a", ["fa4gen"], fa4gen=_lib(3.0, 3.0)),
+        _run("notpaid", "a", ["fa4"], fa4=_lib(4.0, 4.0, ok=False)),
+        _run("both", "a", ["fa4", "fa4gen"], fa4=_lib(5.0, 5.0), fa4gen=_lib(2.0, 2.0)),
+    ]
+    runs[-1]["result"]["max_abs_diff_fa4gen_fa4"] = 0.0078125
+    rows = {row["mode"]: row for row in first_call.summarize(runs, ["a"])}
+    assert (rows["imports paid"]["fa4gen"], rows["imports paid"]["fa4"]) == (7.0, 8.0)  # medians of totals
+    assert rows["imports paid"]["ratio"] == pytest.approx(7.0 / 8.0)
+    assert (rows["imports paid"]["fa4gen_runs"], rows["imports paid"]["fa4_runs"]) == (3, 1)
+    assert rows["imports not paid"]["ratio"] == pytest.approx(0.75)  # first calls, imports left out
+    assert rows["one process, flash-attn-4 first"]["ratio"] == pytest.approx(0.4)
+    assert rows["one process, fa4gen first"]["fa4gen"] is None and rows["one process, fa4gen first"]["ratio"] is None
+    table = first_call.markdown(first_call.summarize(runs, ["a"]), first_call.VARIANTS).splitlines()
+    assert table[0] == "| variant | mode | fa4gen s | flash-attn-4 s | ratio (fa4gen/fa4) | runs |"
+    assert table[2] == "| a: d128 gqa4 causal softcap 30 B1 S2048 | imports paid | 7.00 | 8.00 | 0.88 | 3/1 |"
+    assert table[4] == "| a: d128 gqa4 causal softcap 30 B1 S2048 | one process, fa4gen first | - | - | - | 0/0 |"
+    parts = {row["lib"]: row for row in first_call.breakdown(runs, ["a"])}
+    assert (parts["fa4gen"]["trace_compile_s"], parts["fa4gen"]["kernels_built"]) == (3.5, 1)
+    assert parts["fa4"]["trace_compile_s"] is None
+    lines = first_call.markdown_breakdown(list(parts.values())).splitlines()
+    assert lines[2].startswith("| a | fa4gen | 2.50 | 0.50 | 4.00 | 7.00 | 1 | 3.50 |")
+    assert lines[3].startswith("| a | flash-attn-4 | 4.00 | - |")
+    assert first_call.correctness(runs, ["a"]) == [
+        "a: fa4gen max|o - ref| 1.00e-03, flash-attn-4 max|o - ref| 1.00e-03 (1 FAILED), max|fa4gen - fa4| 7.81e-03"
+    ]
+    assert first_call.failed_checks(runs) == 1
+    assert first_call.median([]) is None and first_call.median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_first_call_fails_in_one_line_without_flash_attn_4(monkeypatch):
+    def missing(name):
+        raise first_call.md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(first_call.md, "version", missing)
+    with pytest.raises(SystemExit) as exc:
+        first_call.main(["--quick"])
+    message = str(exc.value.code)
+    assert "flash-attn-4 is not installed" in message and "\n" not in message
+
+
+def test_first_call_children_get_empty_caches_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA4GEN_NO_COMPILE", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    env = first_call.child_env(tmp_path)
+    assert "FA4GEN_NO_COMPILE" not in env and env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
+    for name in ("FA4GEN_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "CUDA_CACHE_PATH"):
+        assert Path(env[name]).parent == tmp_path and not Path(env[name]).exists()
+
+
+def test_first_call_main_prints_the_tables_and_writes_every_number(monkeypatch, tmp_path, capsys):
+    import json
+
+    def fake_child(job, variants, tmp_root, timeout):
+        if job.kind == "warmup":
+            return {"environment": {"device": "H200", "flash-attn-4": "4.0.0b36"}}
+        if job.kind == "import":
+            return {"import_fa4gen_s": 0.3, "compiler_imported": False}
+        per_lib = {lib: _lib(5.0 if lib == "fa4gen" else 6.0, 4.0, build=(1, 2.0)) for lib in job.libs}
+        return {"libs": per_lib} | ({"max_abs_diff_fa4gen_fa4": 0.0} if len(job.libs) == 2 else {})
+
+    monkeypatch.setattr(first_call, "require_flash_attn_4", lambda: "4.0.0b36")
+    monkeypatch.setattr(first_call, "run_child", fake_child)
+    out = tmp_path / "first_call.json"
+    assert first_call.main(["--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "import fa4gen beyond torch: 0.300 s (median of 1; target < 0.5 s: met)" in text
+    assert "| a: d128 gqa4 causal softcap 30 B1 S2048 | imports paid | 5.00 | 6.00 | 0.83 | 1/1 |" in text
+    assert "target ratio <= 0.8: met in 0 of 4" in text
+    saved = json.loads(out.read_text())
+    assert len(saved["runs"]) == 6 and saved["imports"] == [{"import_fa4gen_s": 0.3, "compiler_imported": False}]
+    assert saved["environment"]["flash-attn-4"] == "4.0.0b36" and not saved["skipped"]

@@ -33,6 +33,18 @@ def test_variants_example_cross_compiles_without_gpu(warm_cache):
     assert result.stdout.count("cache hit") == 2, result.stdout
 
 
+def test_transformers_example_cross_compiles_and_falls_back_on_cpu(warm_cache):
+    """examples/transformers_model.py --cpu: the specs of each model's layer types, cross-compiled,
+    and on the CPU every layer falls back to transformers' own attention with the same logits."""
+    root, _ = warm_cache
+    result = _run([sys.executable, "examples/transformers_model.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(root)})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("on the CPU every layer falls back: max |logits") == 2, out
+    assert "= 0.0e+00" in out and "sliding_attention/bfloat16/packed" in out, out
+    assert "tensors on cpu: fa4gen kernels run on CUDA GPUs" in out, out
+
+
 @pytest.mark.skipif(shutil.which("fa4gen") is None, reason="console script not installed")
 def test_ci_warm_script_ships_a_cache_that_loads_without_compiling(tmp_path):
     specs = tmp_path / "specs"

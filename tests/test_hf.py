@@ -6,19 +6,33 @@
   (masking_utils' create_*_mask over its DynamicCache) equal fa4gen.testing.visible_keys for the
   spec from-hf produced, and the model's eager attention (its eager_attention_forward, or the
   attention module itself for ALiBi and Llama 4's NoPE layers) agrees in fp32 with
-  fa4gen.testing.reference, on prefill (Sq == Sk) and KV-cache (Sq < Sk) shapes.
+  fa4gen.testing.reference, on prefill (Sq == Sk) and KV-cache (Sq < Sk) shapes (the cases and
+  transformers' side of them: tests/hf_cases.py).
+- tests/test_gpu_hf.py's harness, with fa4gen's reference in the kernel's place: every GPU case
+  (bf16 inputs, larger windows, chunks and shapes) builds, its masks are fa4gen's, an exact
+  kernel meets its bounds, and kernels that get a part of the variant wrong do not.
 - from-hf's errors, and the command line.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from hf_cases import (
+    BATCH,
+    GPU_CHUNKED_SHAPES,
+    GPU_FAMILIES,
+    GPU_SHAPES,
+    assert_matches_transformers,
+    case_id,
+    cases,
+    hf_case,
+    hf_gpu_specs,
+)
 
 from fa4gen.hf import HFConfigError, hf_specs, specs_from_hf_config, write_hf_specs
 from fa4gen.spec import AttentionSpec
@@ -27,7 +41,7 @@ from fa4gen.testing import reference, visible_keys
 from fa4gen.variants import standard_alibi_slopes
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig, DynamicCache, masking_utils  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "hf_configs"
@@ -150,192 +164,73 @@ def test_every_model_type_with_transformers_defaults():
 
 
 # ----------------------------------------------------------------------------- against transformers
-def _llama4(**extra):
-    return dict(model_type="llama4_text", num_attention_heads=5, num_key_value_heads=1, head_dim=128,
-                hidden_size=640, num_hidden_layers=2, no_rope_layer_interval=2, attention_chunk_size=6,
-                floor_scale=4, attn_scale=0.5, **extra)  # fmt: skip
-
-
-# tiny configs: real head dims and GQA ratios, small windows and chunks so shapes cross them
-FAMILIES = {
-    "llama": dict(model_type="llama", num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
-                  num_hidden_layers=1),
-    "mistral": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
-                    sliding_window=5, num_hidden_layers=1),
-    "mixtral": dict(model_type="mixtral", num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
-                    sliding_window=6, num_hidden_layers=1),
-    "qwen2": dict(model_type="qwen2", num_attention_heads=14, num_key_value_heads=2, hidden_size=1792,
-                  use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=2),
-    "qwen3": dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                  hidden_size=256, use_sliding_window=True, sliding_window=6, max_window_layers=1,
-                  num_hidden_layers=2),
-    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                   hidden_size=256, query_pre_attn_scalar=144, sliding_window=5, attn_logit_softcapping=2.0,
-                   num_hidden_layers=2),
-    "gemma3": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                   hidden_size=256, query_pre_attn_scalar=168, sliding_window=5, sliding_window_pattern=2,
-                   attn_logit_softcapping=2.0, num_hidden_layers=2),
-    "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=4, hidden_size=384,
-                 sliding_window=6, num_hidden_layers=1),
-    "gpt_oss": dict(model_type="gpt_oss", num_attention_heads=8, num_key_value_heads=1, head_dim=64,
-                    hidden_size=256, sliding_window=4, num_hidden_layers=2),
-    "llama4": _llama4(),
-    "deepseek_v3": dict(model_type="deepseek_v3", num_attention_heads=4, num_key_value_heads=4, hidden_size=128,
-                        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                        v_head_dim=128, num_hidden_layers=1,
-                        rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                                         "beta_slow": 1.0, "rope_theta": 10000.0}),
-    "bloom": dict(model_type="bloom", n_head=6, hidden_size=768, n_layer=1),  # 6: not a power of two
-    "mpt": dict(model_type="mpt", n_heads=6, d_model=768, n_layers=1, max_seq_len=32),
-}  # fmt: skip
-MODULES = {
-    "llama": ("llama", "LlamaAttention"),
-    "mistral": ("mistral", "MistralAttention"),
-    "mixtral": ("mixtral", "MixtralAttention"),
-    "qwen2": ("qwen2", "Qwen2Attention"),
-    "qwen3": ("qwen3", "Qwen3Attention"),
-    "gemma2": ("gemma2", "Gemma2Attention"),
-    "gemma3": ("gemma3", "Gemma3Attention"),
-    "phi3": ("phi3", "Phi3Attention"),
-    "gpt_oss": ("gpt_oss", "GptOssAttention"),
-    "llama4": ("llama4", "Llama4TextAttention"),
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3Attention"),
-    "bloom": ("bloom", "BloomAttention"),
-    "mpt": ("mpt", "MptAttention"),
-}
-MASKS = {  # the mask each layer type gets in the models' forward
-    "full_attention": masking_utils.create_causal_mask,
-    "sliding_attention": masking_utils.create_sliding_window_causal_mask,
-    "chunked_attention": masking_utils.create_chunked_causal_mask,
-}
-BATCH = 2
-# (cached tokens, new query tokens): prefill, then KV-cache shapes (sliding layers' caches keep the
-# last W - 1 keys, so Sk = W - 1 + Sq there once the cache is full)
-SHAPES = ((0, 13), (9, 4), (12, 1))
-# chunked layers: transformers' cache keeps the last chunk - 1 keys, whose chunk boundaries are
-# absolute positions; fa4gen counts chunks from the first key passed, so only caches that start at
-# position 0 (fewer cached tokens than the chunk size) are the same thing
-CHUNKED_SHAPES = ((0, 13), (4, 5), (5, 1))
-
-
-def _config(family: str, **extra):
-    data = dict(FAMILIES[family], **extra)
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
-    config._attn_implementation = "sdpa"  # boolean masks from masking_utils
-    return config
-
-
-def _module(family: str, config, layer: int):
-    package, name = MODULES[family]
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-    module = getattr(modeling, name)(config, layer_idx=layer).eval()
-    return modeling, module
-
-
-def _cases():
-    for family in FAMILIES:
-        for layer_type in specs_from_hf_config(dict(FAMILIES[family])):
-            shapes = CHUNKED_SHAPES if layer_type == "chunked_attention" else SHAPES
-            for past, new in shapes:
-                yield pytest.param(family, layer_type, past, new, id=f"{family}-{layer_type}-{past}+{new}")
-
-
-def _kv_dims(config, family):
-    """(kv heads, key dim, value dim) of what the model caches."""
-    if family == "deepseek_v3":
-        return config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    if family in ("bloom", "mpt"):
-        heads = config.num_attention_heads
-        return heads, config.hidden_size // heads, config.hidden_size // heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_key_value_heads, dim, dim
-
-
-@pytest.mark.parametrize("family, layer_type, past, new", list(_cases()))
+@pytest.mark.parametrize("family, layer_type, past, new", [pytest.param(*c, id=case_id(*c)) for c in cases()])
 def test_against_transformers(family, layer_type, past, new):
-    torch.manual_seed(0)
-    config = _config(family)
-    item = hf_specs(dict(FAMILIES[family]))[layer_type]
-    spec = item.spec
-    types = getattr(config, "layer_types", None)
-    layer = item.layers[0]
-    if types is not None:  # from-hf put the same layers under this type as transformers does
-        assert item.layers == [i for i, t in enumerate(types) if t == layer_type]
-    heads_kv, dim_k, dim_v = _kv_dims(config, family)
-    heads_q = heads_kv * spec.qhead_per_kvhead
-
-    cache = DynamicCache(config=config)
-    if past:
-        for index in range(len(cache.layers)):
-            cache.update(torch.randn(BATCH, heads_kv, past, dim_k), torch.randn(BATCH, heads_kv, past, dim_v), index)
-    hidden = torch.randn(BATCH, new, config.hidden_size)
-    padding = torch.ones(BATCH, past + new, dtype=torch.long) if family in ("bloom", "mpt") else None
-    mask = MASKS[layer_type](
-        config=config, inputs_embeds=hidden, attention_mask=padding, past_key_values=cache, allow_is_causal_skip=False
-    )
-    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)  # what masking_utils.eager_mask makes
-    modeling, module = _module(family, config, layer)
-
-    if family in ("bloom", "mpt") or (family == "llama4" and layer_type == "full_attention"):
-        q, k, v, out = _module_forward(family, modeling, module, config, hidden, mask, additive, cache, padding)
-        args = {}
-    else:
-        q = torch.randn(BATCH, heads_q, new, dim_k)
-        k, v = cache.update(torch.randn(BATCH, heads_kv, new, dim_k), torch.randn(BATCH, heads_kv, new, dim_v), layer)
-        extra = {}
-        if family == "gemma2":
-            extra["softcap"] = module.attn_logit_softcapping  # Gemma 3's forward passes none
-        args = {}
-        if family == "gpt_oss":
-            torch.nn.init.normal_(module.sinks)
-            args["sinks"] = module.sinks.detach()
-        with torch.no_grad():
-            out, _ = modeling.eager_attention_forward(
-                module, q, k, v, additive, dropout=0.0, scaling=module.scaling, **extra
-            )
-        q = q.transpose(1, 2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-
-    seqlen_k = k.shape[1]
-    assert seqlen_k == mask.shape[-1]
-    ours = visible_keys(spec, new, seqlen_k).expand(BATCH, 1, new, seqlen_k)
+    case = hf_case(family, layer_type, past, new)
+    if case.layer_types is not None:  # from-hf put the same layers under this type as transformers does
+        assert case.layers == [i for i, t in enumerate(case.layer_types) if t == layer_type]
+    seqlen_k = case.k.shape[1]
+    assert seqlen_k == case.mask.shape[-1]
+    ours = visible_keys(case.spec, new, seqlen_k).expand(BATCH, 1, new, seqlen_k)
+    mask = case.mask
     assert torch.equal(mask, ours), f"masks differ:\ntransformers\n{mask[0, 0].int()}\nfa4gen\n{ours[0, 0].int()}"
-    expected, _ = reference(spec, q, k, v, args=args)
-    assert out.shape == expected.shape
-    torch.testing.assert_close(out.float(), expected, rtol=1e-5, atol=1e-5)
+    expected, _ = reference(case.spec, case.q, case.k, case.v, args=case.args)
+    assert case.out.shape == expected.shape
+    torch.testing.assert_close(case.out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _module_forward(family, modeling, module, config, hidden, mask, additive, cache, padding):
-    """Run the attention module itself (its out projection made the identity), for what happens
-    inside it: ALiBi (BLOOM, MPT) and Llama 4's NoPE query temperature. Returns q, k, v in
-    fa4gen's (B, S, H, D) layout (q before any temperature) and the attention output."""
-    heads = module.num_heads if family == "bloom" else getattr(module, "n_heads", None) or config.num_attention_heads
-    batch, new, _ = hidden.shape
-    with torch.no_grad():
-        if family == "bloom":
-            module.dense.weight.copy_(torch.eye(config.hidden_size))
-            module.dense.bias.zero_()
-            q, k_new, v_new = module._reshape(module.query_key_value(hidden))
-            alibi = modeling.build_alibi_tensor(padding, heads, torch.float32)
-            out = module(hidden, torch.zeros_like(hidden), alibi, additive, layer_past=cache, use_cache=True)[0]
-        elif family == "mpt":
-            module.out_proj.weight.copy_(torch.eye(config.hidden_size))
-            q, k_new, v_new = (
-                t.reshape(batch, new, heads, -1).transpose(1, 2) for t in module.Wqkv(hidden).chunk(3, dim=2)
-            )
-            alibi = modeling.build_mpt_alibi_tensor(heads, config.max_seq_len)
-            # MptModel passes its eager mask as booleans: True where a key is masked
-            out = module(hidden, alibi, past_key_values=cache, attention_mask=additive.to(torch.bool))[0]
-        else:  # llama4 NoPE layer: no rotary embedding, no qk norm
-            assert not module.use_rope and not hasattr(module, "qk_norm")
-            module.o_proj.weight.copy_(torch.eye(config.hidden_size))
-            q = module.q_proj(hidden).view(batch, new, heads, -1).transpose(1, 2)
-            out = module(hidden, None, additive, past_key_values=cache)[0]
-        layer = cache.layers[module.layer_idx]
-        k, v = layer.keys, layer.values  # everything the layer attended to (past + new)
-    out = out.view(batch, new, heads, -1)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out
+GPU_CASES = cases(GPU_FAMILIES, GPU_SHAPES, GPU_CHUNKED_SHAPES)
+
+
+def _stand_in(spec, case, **changes):
+    """What a kernel for ``spec`` (with ``changes``) writes, were it exact to rounding: fa4gen's
+    float32 reference rounded to the input dtype."""
+    if changes:
+        spec = AttentionSpec(**{**spec.model_dump(), **changes})
+    args = case.args if spec.sinks else {}
+    return reference(spec, case.q, case.k, case.v, args=args)[0].to(case.q.dtype)
+
+
+@pytest.mark.parametrize("family, layer_type, past, new", [pytest.param(*c, id=case_id(*c)) for c in GPU_CASES])
+def test_gpu_harness_on_cpu(family, layer_type, past, new):
+    """tests/test_gpu_hf.py's cases on the CPU, fa4gen's reference (rounded to bf16) in the
+    kernel's place: each case's spec is the one hf_gpu_specs() names for the warm step,
+    transformers' masks at the GPU configs and shapes are fa4gen's, and the output meets both
+    bounds."""
+    case = hf_case(family, layer_type, past, new, dtype=torch.bfloat16, configs=GPU_FAMILIES, seed=len(GPU_CASES))
+    assert case.spec == hf_gpu_specs()[f"{family}/{layer_type}"] and case.spec.dtype == "bfloat16"
+    assert case.q.dtype == case.k.dtype == case.v.dtype == torch.bfloat16 and case.out.dtype == torch.float32
+    seqlen_k = case.k.shape[1]
+    assert torch.equal(case.mask, visible_keys(case.spec, new, seqlen_k).expand(BATCH, 1, new, seqlen_k))
+    report = assert_matches_transformers(case, _stand_in(case.spec, case))
+    assert report["hf_err"] <= report["out_err"] + 1e-6  # transformers' float32 result is fa4gen's
+
+
+# a kernel that gets one part of the variant wrong: the GPU test's bounds catch it
+SLIPS = {
+    "mistral-sliding_attention-0+1000": {"window_left": 257},  # one key more
+    "qwen2-sliding_attention-900+17": {"window_left": 255},  # one key fewer
+    "gemma2-full_attention-200+300": {"softcap": None},
+    "gemma3-full_attention-0+1000": {"softmax_scale": None},  # head_dim**-0.5, not query_pre_attn_scalar's
+    "gpt_oss-sliding_attention-0+200": {"sinks": False},
+    "llama4-chunked_attention-290+17": {"mask": {"kind": "chunked", "size": 301}},
+    "llama4-full_attention-900+17": {"score_mod": None},  # no NoPE temperature
+    "deepseek_v3-full_attention-200+300": {"softmax_scale": 192**-0.5},  # no YaRN mscale
+    "bloom-full_attention-0+1000": {"score_mod": None},  # within 2x transformers' own bf16 error
+    "mpt-full_attention-900+1": {"score_mod": None},
+    "llama-full_attention-0+200": {"causal": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLIPS))
+def test_gpu_harness_catches_slips(name):
+    """Each slip misses 2x transformers' own bf16 error, but BLOOM's: its bf16 ALiBi table makes
+    that error as large as the outputs at 1000 positions, and fa4gen's bound catches it."""
+    family, layer_type, past, new = next(c for c in GPU_CASES if case_id(*c) == name)
+    case = hf_case(family, layer_type, past, new, dtype=torch.bfloat16, configs=GPU_FAMILIES, seed=3)
+    problem = "2x PyTorch's own error bound" if family == "bloom" else "against transformers exceeds"
+    with pytest.raises(AssertionError, match=problem):
+        assert_matches_transformers(case, _stand_in(case.spec, case, **SLIPS[name]))
 
 
 def test_alibi_slopes_match_bloom_and_mpt():

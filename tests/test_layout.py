@@ -167,3 +167,23 @@ def test_kernels_never_import_the_planner():
 def test_no_import_cycles():
     cycles = _cycles(_graph())
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_what_shapes_an_artifact_never_imports_a_host_only_module():
+    """The cache key fingerprints every module but the host-only ones (toolchain.HOST_ONLY_*):
+    a fingerprinted module that imported one would let an edit there change a kernel while its
+    key stayed the same."""
+    from fa4gen.toolchain import _host_only
+
+    graph = _graph()
+
+    def host_only(name: str) -> bool:
+        path = _modules()[name]
+        return name == PACKAGE or _host_only(path.relative_to(ROOT))
+
+    shaping = [name for name in graph if not host_only(name)]
+    assert {"fa4gen.compiler", "fa4gen.emitter", "fa4gen.kernels.sm90.fwd"} <= set(shaping)
+    assert {"fa4gen.hf", "fa4gen.runtime", "fa4gen.cache"} <= {n for n in graph if host_only(n)}
+    reached = _reachable(graph, shaping)
+    leaks = {name: " -> ".join(path) for name, path in reached.items() if host_only(name)}
+    assert leaks == {}

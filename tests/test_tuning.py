@@ -64,23 +64,15 @@ def test_tune_records_the_fastest_and_compile_uses_it_on_that_gpu(tmp_path, monk
     assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200") == result.best
     assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H100 80GB HBM3") is None
 
-    class Stop(Exception):
-        pass
-
-    built = []
-
-    def build_stub(spec, target, **options):  # stops compile() right where the plan is chosen
-        built.append(options["kernel_plan"])
-        raise Stop
+    def kernel_stub(spec, target, kernel_plan, cache, refuse, splits=()):  # the plan compile() loads
+        return ("kernel", kernel_plan)
 
     monkeypatch.setattr(tuned, "current_device_name", lambda: "NVIDIA H200")
-    monkeypatch.setattr(api, "build", build_stub)
-    with pytest.raises(Stop):
-        fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
+    monkeypatch.setattr(api, "_kernel", kernel_stub)
+    assert fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path) == ("kernel", result.best)
     monkeypatch.setattr(tuned, "current_device_name", lambda: "NVIDIA H100 80GB HBM3")
-    with pytest.raises(Stop):
-        fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path)
-    assert built == [result.best, None]  # another GPU: the planner's plan (None = default)
+    default = fa4gen.plan(spec, "sm_90a")
+    assert fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path) == ("kernel", default)  # another GPU
 
 
 def test_no_gpu_and_broken_records(tmp_path):
@@ -226,19 +218,11 @@ def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_pa
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
     ranges = seqlen_splits(spec, "sm_90a")
     recorded = candidates(spec, "sm_90a")[1]
-    built = []
 
-    def fake_build_plan(spec_, target, kernel_plan, cache, no_compile, *progress_and_label):
-        built.append(kernel_plan)
-        return api.BuildResult(
-            spec=spec_, plan=kernel_plan, key=kernel_plan.canonical_json(), entry=None, built_now=False
-        )
+    def fake_kernel(spec_, target, kernel_plan, cache, refuse, splits=()):
+        return kernel_plan, splits
 
-    def fake_load(result, cache, splits=()):
-        return result.plan, splits
-
-    monkeypatch.setattr(api, "_build_plan", fake_build_plan)
-    monkeypatch.setattr(api, "_load", fake_load)
+    monkeypatch.setattr(api, "_kernel", fake_kernel)
     for device, explicit, main in (
         ("GPU without a record", None, fa4gen.plan(spec, "sm_90a")),
         ("NVIDIA H200", None, recorded),
@@ -246,14 +230,12 @@ def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_pa
     ):
         monkeypatch.setattr(tuned, "current_device_name", lambda device=device: device)
         tuning.record_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200", recorded, [])
-        built.clear()
         plan_, splits = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path, kernel_plan=explicit)
         assert plan_ == main
         if explicit is None:
-            assert built == [main, *(s.plan for s in ranges)]
             assert [(s.split, s.kernel) for s in splits] == [(s, (s.plan, ())) for s in ranges]
         else:
-            assert built == [main] and splits == ()
+            assert splits == ()
 
 
 def test_the_record_holds_the_plan_with_its_config(tmp_path):

@@ -20,13 +20,35 @@ from gpu_cases import (
     split_tail_cases,
     variant_specs,
 )
+from hf_cases import hf_gpu_specs  # noqa: E402
 
 import fa4gen  # noqa: E402
 
 
+def integration_specs() -> dict[str, fa4gen.AttentionSpec]:
+    """The kernels examples/transformers_model.py and the integration's GPU tests run."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    from fa4gen.integrations.transformers import kernel_specs
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "transformers_model.py"
+    module_spec = importlib.util.spec_from_file_location("transformers_model_example", path)
+    example = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(example)
+    return {
+        f"integration/{name}/{kind}": spec
+        for name, config in example.MODEL_CONFIGS.items()
+        for kind, spec in kernel_specs(AutoConfig.for_model(**config)).items()
+    }
+
+
 def main(cache_dir: str) -> None:
     tails = {f"pair-tail/{name}": spec for name, (spec, _) in pair_tail_specs().items()}
-    for name, spec in {**gpu_specs(), **variant_specs(), **example_specs(), **tails}.items():
+    hf = {f"hf/{name}": spec for name, spec in hf_gpu_specs().items()}
+    every = {**gpu_specs(), **variant_specs(), **example_specs(), **tails, **hf, **integration_specs()}
+    for name, spec in every.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
         state = "compiled" if result.any_built_now else "cached"

@@ -1,0 +1,69 @@
+"""fa4gen kernels inside model code that torch.compile traces: ``fa4gen.ops.attention(spec, ...)``.
+
+``fa4gen.compile(spec)`` compiles (or loads) when it is called; inside a traced model that would
+run while Dynamo traces. ``attention`` names the spec's kernel to the custom op instead
+(``fa4gen.custom_op``) and compiles it on the op's first real call, once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+
+import torch
+
+from fa4gen.custom_op import call, register
+from fa4gen.spec import AttentionSpec
+
+_COMPILED: dict[str, object] = {}  # spec handle -> its compiled kernel
+_COMPILE_LOCK = threading.Lock()
+
+
+_HANDLES: dict[int, tuple[AttentionSpec, str]] = {}  # id(spec) -> (spec, handle): the spec kept, so ids stay its
+
+
+def spec_handle(spec: AttentionSpec) -> str:
+    """The op's name for ``spec``'s kernel, registered to be compiled on the op's first real call
+    (memoised per spec object: decode steps call it once per layer)."""
+    known = _HANDLES.get(id(spec))
+    if known is not None and known[0] is spec:
+        return known[1]
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"fa4gen.ops takes an AttentionSpec, got {type(spec).__name__}")
+    handle = "spec-" + hashlib.sha256(spec.canonical_json().encode()).hexdigest()[:32]
+    _HANDLES[id(spec)] = (spec, register(handle, spec, lambda: _kernel(spec)))
+    return handle
+
+
+@torch._dynamo.assume_constant_result  # run while Dynamo traces; the graph keeps the name it returns
+def _traced_handle(spec_id: int) -> str:
+    """``spec_handle`` of the spec whose id this is. Dynamo passes such functions constants only
+    (torch 2.11 refuses an object), so the spec comes by id: the traced frame holds it, so the id
+    is the live object's (CPython's id is its address)."""
+    spec = ctypes.cast(spec_id, ctypes.py_object).value
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"fa4gen.ops takes an AttentionSpec, got {type(spec).__name__}")
+    return spec_handle(spec)
+
+
+def _kernel(spec: AttentionSpec):
+    """The callable that runs ``spec``: ``fa4gen.compile(spec)``, once per process."""
+    key = spec.canonical_json()
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        with _COMPILE_LOCK:
+            kernel = _COMPILED.get(key)
+            if kernel is None:
+                from fa4gen.api import compile as compile_spec
+
+                kernel = _COMPILED[key] = compile_spec(spec)
+    return kernel
+
+
+def attention(spec: AttentionSpec, q, k, v, **variant):
+    """``fa4gen.compile(spec)(q, k, v, **variant)`` through the custom op, compiling the kernel on
+    the op's first real call rather than here: for model code that torch.compile traces before
+    any kernel exists. Same arguments and results as ``AttentionKernel.__call__``."""
+    handle = _traced_handle(id(spec)) if torch.compiler.is_compiling() else spec_handle(spec)
+    return call(handle, spec, q, k, v, **variant)

@@ -1,0 +1,221 @@
+"""The custom op ``torch.ops.fa4gen.forward`` and lazy builds, without a GPU.
+
+The op's real implementation runs whatever its handle names: here a CPU runner computing
+fa4gen's fp32 reference, so arguments are checked end to end through torch.compile
+(Dynamo + AOTAutograd) on CPU tensors, and tracing is checked on meta tensors with symbolic
+shapes (what torch.compile sees on the GPU). The kernels themselves run in tests/test_gpu_ops.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa4gen
+import fa4gen.api as api
+from fa4gen import custom_op, ops
+from fa4gen.runtime import AttentionKernel
+from fa4gen.testing import reference
+
+SINKS_EXPR = fa4gen.AttentionSpec(
+    head_dim=64,
+    qhead_per_kvhead=2,
+    causal=True,
+    window_left=40,
+    sinks=True,
+    return_lse=True,
+    aux={"bias": {"dtype": "float32", "shape": ["Hq"]}},
+    scalars={"scale2": "float32", "shift": "int32"},
+    score_mod={"kind": "expression", "expr": "score * scale2 + bias[h] + shift"},
+)
+DOCUMENTS = fa4gen.AttentionSpec(head_dim=64, mask="document", causal=True)
+
+
+class ReferenceRunner:
+    """Stands in for a compiled kernel: fa4gen's reference on CPU, recording each call."""
+
+    def __init__(self, spec):
+        self.spec, self.calls = spec, []
+
+    def __call__(self, q, k, v, **variant):
+        self.calls.append(variant)
+        args = {name: value for name, value in variant.items() if name != "aux"}
+        args.update(variant.get("aux", {}))
+        out, lse = reference(self.spec, q, k, v, args=args)
+        out = out.to(q.dtype)
+        return (out, lse) if self.spec.return_lse else out
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    runners = {}
+
+    def kernel(spec):
+        return runners.setdefault(spec.canonical_json(), ReferenceRunner(spec))
+
+    monkeypatch.setattr(ops, "_kernel", kernel)
+    return runners
+
+
+def _inputs(batch, seqlen_q, seqlen_k, spec, kv_heads=2, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        if device == "meta":
+            return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    heads_q = kv_heads * spec.qhead_per_kvhead
+    return (
+        randn(batch, seqlen_q, heads_q, spec.head_dim),
+        randn(batch, seqlen_k, kv_heads, spec.head_dim),
+        randn(batch, seqlen_k, kv_heads, spec.dv),
+    )
+
+
+def test_op_is_registered_with_a_schema_autograd_can_use():
+    schema = str(torch.ops.fa4gen.forward.default._schema)
+    assert schema.startswith("fa4gen::forward(Tensor q, Tensor k, Tensor v, str kernel")
+    assert schema.endswith("-> (Tensor, Tensor)")  # (out, lse) whatever the spec: what a backward saves
+    assert "SymInt? max_seqlen_q" in schema  # symbolic under dynamic shapes
+
+
+def test_opcheck_on_cpu(reference_kernels):
+    """torch's own checks of a custom op: schema, fake implementation against the real one,
+    AOTAutograd's dispatch."""
+    q, k, v = _inputs(3, 37, 53, SINKS_EXPR)
+    args = custom_op._op_arguments(
+        ops.spec_handle(SINKS_EXPR),
+        {"sinks": torch.randn(4), "aux": {"bias": torch.randn(4), "scale2": 0.5, "shift": 2}},
+    )
+    torch.library.opcheck(torch.ops.fa4gen.forward.default, (q, k, v, *args))
+
+
+def test_arguments_reach_the_kernel_through_torch_compile(reference_kernels):
+    """Sinks, aux tensors, float and int scalars pass through the op (Dynamo + AOTAutograd)
+    unchanged: the compiled result is the reference's, with the int32 scalar an int again."""
+    sinks, bias = torch.randn(4), torch.randn(4)
+
+    def attend(q, k, v):
+        return ops.attention(SINKS_EXPR, q, k, v, sinks=sinks, aux={"bias": bias, "scale2": 0.5, "shift": 2})
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    q, k, v = _inputs(3, 37, 53, SINKS_EXPR)
+    out, lse = compiled(q, k, v)
+    want_out, want_lse = reference(SINKS_EXPR, q, k, v, args={"sinks": sinks, "bias": bias, "scale2": 0.5, "shift": 2})
+    torch.testing.assert_close(out, want_out.to(out.dtype))
+    torch.testing.assert_close(lse, want_lse)
+    (call,) = reference_kernels[SINKS_EXPR.canonical_json()].calls
+    assert call["aux"]["shift"] == 2 and isinstance(call["aux"]["shift"], int)
+    assert call["aux"]["scale2"] == 0.5 and call["sinks"] is not None
+
+
+def test_packed_documents_through_the_op(reference_kernels):
+    total = 90
+    cu = torch.tensor([0, 20, 61, 90], dtype=torch.int32)
+    q, k, v = (t.squeeze(0) for t in _inputs(1, total, total, DOCUMENTS))
+    compiled = torch.compile(
+        lambda q, k, v: ops.attention(DOCUMENTS, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=41),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    out = compiled(q, k, v)
+    assert out.shape == (total, 2, 64)
+    (call,) = reference_kernels[DOCUMENTS.canonical_json()].calls
+    assert call["max_seqlen_q"] == 41 and torch.equal(call["cu_seqlens_q"], cu)
+    for start, end in ((0, 20), (20, 61), (61, 90)):  # each document attends within itself only
+        one = DOCUMENTS.model_copy(update={"mask": None})
+        want, _ = reference(one, q[None, start:end], k[None, start:end], v[None, start:end])
+        torch.testing.assert_close(out[start:end], want[0].to(out.dtype))
+
+
+def _counting_backend():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+@pytest.mark.parametrize("through", ["ops.attention", "AttentionKernel"])
+def test_one_graph_for_every_shape(through):
+    """fullgraph with dynamic shapes on meta tensors (no data: only the fake implementation
+    runs): one graph, holding one fa4gen.forward call, serves three batch sizes and sequence
+    lengths with no recompile."""
+    spec = SINKS_EXPR.model_copy(update={"aux": {}, "scalars": {}, "score_mod": None})
+    kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), function=None)
+    sinks = torch.empty(8, device="meta")
+
+    def attend(q, k, v):
+        if through == "AttentionKernel":
+            return kernel(q, k, v, sinks=sinks)
+        return ops.attention(spec, q, k, v, sinks=sinks)
+
+    graphs, backend = _counting_backend()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=backend)
+    for batch, seqlen_q, seqlen_k in ((3, 100, 300), (5, 17, 33), (7, 1000, 1000)):
+        q, k, v = _inputs(batch, seqlen_q, seqlen_k, spec, kv_heads=4, device="meta")
+        out, lse = compiled(q, k, v)
+        assert out.shape == (batch, seqlen_q, 8, 64) and lse.shape == (batch, 8, seqlen_q)
+    assert len(graphs) == 1
+    op = torch.ops.fa4gen.forward
+    calls = [n for n in graphs[0].graph.nodes if n.target in (op, op.default)]
+    assert len(calls) == 1
+    explained = torch._dynamo.explain(attend)(*_inputs(2, 9, 11, spec, kv_heads=4, device="meta"))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_fake_implementation_checks_the_layout(reference_kernels):
+    q, k, v = _inputs(2, 8, 8, DOCUMENTS, device="meta")  # 4-dim: not the packed layout
+    with pytest.raises(ValueError, match=r"q must be \(total_tokens, heads, head_dim\)"):
+        ops.attention(DOCUMENTS, q, k, v)
+
+
+def test_an_unknown_handle_is_one_clear_error():
+    q, k, v = _inputs(1, 4, 4, DOCUMENTS)
+    args = custom_op._op_arguments("kernel-0000", {})
+    with pytest.raises(ValueError, match="no fa4gen kernel is registered as 'kernel-0000'"):
+        torch.ops.fa4gen.forward(q, k, v, *args)
+
+
+def test_given_buffers_and_unknown_keywords(reference_kernels):
+    spec = DOCUMENTS.model_copy(update={"mask": None})
+    q, k, v = _inputs(2, 8, 8, spec)
+    out = torch.full((2, 8, 2, 64), float("nan"), dtype=torch.bfloat16)
+    handle = ops.spec_handle(spec)
+    assert custom_op.call(handle, spec, q, k, v, out=out) is out and not out.isnan().any()
+    with pytest.raises(ValueError, match="without return_lse"):
+        custom_op.call(handle, spec, q, k, v, lse=torch.empty(2, 2, 8))
+    with pytest.raises(TypeError, match="unexpected keyword arguments: windw"):
+        ops.attention(spec, q, k, v, windw=3)
+
+
+# ----------------------------------------------------------------------------- lazy builds
+def test_compile_builds_only_what_a_call_runs(monkeypatch, tmp_path):
+    """On a cache miss fa4gen.compile builds nothing; a launch builds the kernel of its length
+    range only; prepare() builds the rest; no_compile refuses at once."""
+    built = []
+
+    def fake_build(spec, target, kernel_plan, cache, no_compile, progress=None, label="given"):
+        built.append(kernel_plan)
+        entry = type("Entry", (), {"path": tmp_path / f"k{len(built)}", "meta": {}})()
+        return api.BuildResult(spec=spec, plan=kernel_plan, key="0" * 64, entry=entry, built_now=True)
+
+    monkeypatch.setattr(api, "_build_plan", fake_build)
+    monkeypatch.setattr(api, "load_function", lambda path, cuda: f"function of {path.name}")
+    monkeypatch.setattr(api, "_tuned_for_this_device", lambda *args: None)
+    spec = fa4gen.AttentionSpec(head_dim=64)  # the planner has short and long ranges for it
+    kernel = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path / "cache")
+    labels = [split.split.label for split in kernel.splits]
+    assert labels == ["short", "long"] and built == []
+    assert not kernel.built and not any(split.kernel.built for split in kernel.splits)
+
+    short = kernel.kernel_for(512)
+    assert short._loaded_function() == "function of k1" and built == [short.plan]
+    assert short.built and not kernel.built
+    assert kernel.prepare() is kernel and len(built) == 3 and kernel.built
+    assert fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path / "cache") is kernel  # memoised, built
+    with pytest.raises(fa4gen.CacheMiss, match="no cached kernel"):
+        fa4gen.compile(spec.model_copy(update={"causal": True}), arch="sm_90a", cache_dir=tmp_path, no_compile=True)
