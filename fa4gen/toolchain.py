@@ -88,6 +88,7 @@ HOST_ONLY_MODULES = frozenset(
         "cli.py",
         "hf.py",
         "custom_op.py",
+        "expr_grad.py",  # until a kernel reads it (the backward): test_layout fails the day one does
         "ops.py",
         "runtime.py",
         "testing.py",
