@@ -229,16 +229,15 @@ def _kernel(
         entry = cache.lookup(key)
         function = builder = None
         if entry is not None:
-            function = load_function(entry.path, entry.meta.get("toolchain", toolchain())["cuda"])
+            function = _function_of(entry)
         elif refuse:
             raise CacheMiss(_miss_message(spec, target, cache))
         else:
 
             def builder() -> tuple[Any, Path]:
                 with cache.pinned():
-                    built = _build_plan(spec, target, kernel_plan, cache, no_compile=False)
-                    cuda = built.entry.meta.get("toolchain", toolchain())["cuda"]
-                    return load_function(built.entry.path, cuda), built.entry.path
+                    built = _build_plan(spec, target, kernel_plan, cache, no_compile=False).entry
+                    return _function_of(built), built.path
 
         kernel = AttentionKernel(
             spec=spec,
@@ -251,3 +250,8 @@ def _kernel(
         )
         _loaded[memo_key] = kernel
     return kernel
+
+
+def _function_of(entry: CacheEntry):
+    """The loaded entry point of a cached kernel, with the CUDA flavour it was built for."""
+    return load_function(entry.path, entry.meta.get("toolchain", toolchain())["cuda"])

@@ -6,7 +6,7 @@ implementation only computes output shapes, so a model that calls fa4gen traces 
 call's length range, counts SMs and builds its tables at run time, never while tracing. CUDA
 graphs capture the op like any kernel launch.
 
-The op names what it runs with a string handle, registered here by whoever runs it: a compiled
+The op names what it runs with a string handle (fa4gen.handles, registered by whoever runs it): a compiled
 ``AttentionKernel`` (its ``__call__`` uses the op whenever it is traced), or a spec whose kernel
 is compiled on the op's first real call (``fa4gen.ops.attention``). It returns ``(out, lse)``
 whether or not the spec returns the LSE (then ``lse`` is empty): the shape an autograd formula
@@ -15,42 +15,14 @@ registered on it needs.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from fa4gen.handles import registered as _registered
 from fa4gen.spec import AttentionSpec
 
 TENSOR_ARGUMENTS = ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k")
-
-
-class _Registered(NamedTuple):
-    spec: AttentionSpec
-    runner: Callable[[], Any]  # () -> the callable that runs it: kernel(q, k, v, **variant)
-
-
-_REGISTRY: dict[str, _Registered] = {}
-_LOCK = threading.Lock()
-
-
-def register(handle: str, spec: AttentionSpec, runner: Callable[[], Any]) -> str:
-    """Name what ``runner()`` returns (a callable like ``AttentionKernel``) ``handle`` for the op;
-    the first registration of a handle stays (handles name what they run: all are the same)."""
-    with _LOCK:
-        _REGISTRY.setdefault(handle, _Registered(spec, runner))
-    return handle
-
-
-def _registered(handle: str) -> _Registered:
-    found = _REGISTRY.get(handle)
-    if found is None:
-        raise ValueError(
-            f"no fa4gen kernel is registered as {handle!r} in this process: "
-            "call fa4gen.compile(spec) or use fa4gen.ops.attention(spec, ...)"
-        )
-    return found
 
 
 # ----------------------------------------------------------------------------- the op

@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-from fa4gen.custom_op import call, register
+from fa4gen.custom_op import call
+from fa4gen.handles import register
 from fa4gen.spec import AttentionSpec
 
 _COMPILED: dict[str, object] = {}  # spec handle -> its compiled kernel

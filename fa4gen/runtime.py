@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
+from fa4gen.handles import register
 from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
@@ -233,7 +234,8 @@ class AttentionKernel:
         if out.numel() > 0:
             num_ctas = multiprocessor_count(q.device)
             work, flags = split_workspace(self.plan, q.device, num_ctas)
-            self._loaded_function()(q, k, v, out, lse, work, flags, num_ctas, *extras)
+            function = self._function or self._loaded_function()  # built on a first launch only
+            function(q, k, v, out, lse, work, flags, num_ctas, *extras)
         if varlen:
             out = out.squeeze(0) if given_out is None else given_out
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
@@ -291,11 +293,9 @@ def _traced(q) -> bool:
 
 
 def op_handle(kernel: AttentionKernel) -> str:
-    """The custom op's name for ``kernel`` (fa4gen.custom_op), registered for the process: fixed by
+    """The custom op's name for ``kernel`` (fa4gen.handles), registered for the process: fixed by
     the kernels it runs (their cache keys), so a graph traced in one process names the same
     kernel in the next. Kernels built outside the cache (no key) get a name of their own."""
-    from fa4gen.custom_op import register
-
     keys = [kernel.key, *(split.kernel.key for split in kernel.splits)] if kernel.key else [f"object-{id(kernel)}"]
     handle = "kernel-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:32]
     return register(handle, kernel.spec, lambda: kernel)

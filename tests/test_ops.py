@@ -219,3 +219,29 @@ def test_compile_builds_only_what_a_call_runs(monkeypatch, tmp_path):
     assert fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path / "cache") is kernel  # memoised, built
     with pytest.raises(fa4gen.CacheMiss, match="no cached kernel"):
         fa4gen.compile(spec.model_copy(update={"causal": True}), arch="sm_90a", cache_dir=tmp_path, no_compile=True)
+
+
+def test_the_op_is_imported_only_when_a_call_is_traced():
+    """Making a kernel (fa4gen.compile on a cache hit) registers its name without importing the
+    custom op (torch.library registration costs start-up time); the first traced call imports it,
+    inside Dynamo's trace, and still gives one graph with no break."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch, fa4gen
+from fa4gen.runtime import AttentionKernel
+spec = fa4gen.AttentionSpec(head_dim=64)
+kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), function=None)
+assert "fa4gen.custom_op" not in sys.modules
+graphs = []
+def backend(gm, inputs):
+    graphs.append(gm)
+    return gm.forward
+q = torch.empty(3, 10, 2, 64, device="meta", dtype=torch.bfloat16)
+out = torch.compile(lambda q: kernel(q, q, q), fullgraph=True, backend=backend)(q)
+assert out.shape == (3, 10, 2, 64) and len(graphs) == 1 and "fa4gen.custom_op" in sys.modules
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -1,0 +1,41 @@
+"""Names for what the torch custom op (fa4gen.custom_op) runs, registered by whoever runs it.
+
+No torch here: a compiled kernel registers its name when it is made, at no start-up cost, and the
+custom op (which imports torch and registers itself with torch.library) is imported only when a
+call is traced.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from fa4gen.spec import AttentionSpec
+
+
+class Registered(NamedTuple):
+    spec: AttentionSpec
+    runner: Callable[[], Any]  # () -> the callable that runs it: kernel(q, k, v, **variant)
+
+
+_REGISTRY: dict[str, Registered] = {}
+_LOCK = threading.Lock()
+
+
+def register(handle: str, spec: AttentionSpec, runner: Callable[[], Any]) -> str:
+    """Name what ``runner()`` returns (a callable like ``AttentionKernel``) ``handle`` for the op;
+    the first registration of a handle stays (handles name what they run: all are the same)."""
+    with _LOCK:
+        _REGISTRY.setdefault(handle, Registered(spec, runner))
+    return handle
+
+
+def registered(handle: str) -> Registered:
+    found = _REGISTRY.get(handle)
+    if found is None:
+        raise ValueError(
+            f"no fa4gen kernel is registered as {handle!r} in this process: "
+            "call fa4gen.compile(spec) or use fa4gen.ops.attention(spec, ...)"
+        )
+    return found
