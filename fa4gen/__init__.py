@@ -12,6 +12,7 @@ Stages, each a pure function over frozen models and each visible from the CLI:
 from fa4gen._version import __version__  # noqa: E402,F401
 from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
 from fa4gen.arch import Arch, UnsupportedArchError, detect_arch  # noqa: E402
+from fa4gen.background import FirstCallWarning  # noqa: E402
 from fa4gen.cache import CacheError, CacheMiss, KernelCache, ReadOnlyCacheError, UntrustedCacheError  # noqa: E402
 from fa4gen.emitter import EmittedKernel, emit  # noqa: E402
 from fa4gen.planner import Plan, plan  # noqa: E402
@@ -32,6 +33,7 @@ __all__ = [
     "CacheError",
     "CacheMiss",
     "EmittedKernel",
+    "FirstCallWarning",
     "KernelCache",
     "Plan",
     "ReadOnlyCacheError",

@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fa4gen import background
 from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, CacheMiss, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, SeqlenSplit, plan, plan_problem, seqlen_splits
+from fa4gen.planner import Plan, SeqlenSplit, first_call_plan, plan, plan_problem, seqlen_splits
 from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
@@ -206,7 +207,8 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     ranges = () if kernel_plan is not None else seqlen_splits(spec, target)
     with cache.pinned():  # from lookup until every kernel is loaded: no process evicts one
         splits = tuple(SplitKernel(split, _kernel(spec, target, split.plan, cache, refuse)) for split in ranges)
-        kernel = _kernel(spec, target, chosen, cache, refuse, splits)
+        # (a plan given by the caller runs from the first call: no first-call kernel stands in)
+        kernel = _kernel(spec, target, chosen, cache, refuse, splits, first_call=kernel_plan is None)
     return kernel.prepare() if prepare else kernel
 
 
@@ -217,9 +219,11 @@ def _kernel(
     cache: KernelCache,
     refuse: bool,
     splits: tuple[SplitKernel, ...] = (),
+    first_call: bool = True,
 ) -> AttentionKernel:
     """The kernel of one plan (memoised per process, with its kernels for length ranges): loaded
-    now if the cache has it, else built and loaded on its first launch (CacheMiss if ``refuse``)."""
+    now if the cache has it, else built and loaded on its first launch (CacheMiss if ``refuse``),
+    where ``first_call`` allows, with a first-call kernel running while it builds."""
     key = make_key(cache_key_parts(spec, kernel_plan, target))
     memo_key = (key, tuple(split.kernel.key for split in splits), str(cache.root))
     with _loaded_lock:
@@ -233,12 +237,7 @@ def _kernel(
         elif refuse:
             raise CacheMiss(_miss_message(spec, target, cache))
         else:
-
-            def builder() -> tuple[Any, Path]:
-                with cache.pinned():
-                    built = _build_plan(spec, target, kernel_plan, cache, no_compile=False).entry
-                    return _function_of(built), built.path
-
+            builder = _first_launch_builder(spec, target, kernel_plan, cache, key, first_call)
         kernel = AttentionKernel(
             spec=spec,
             plan=kernel_plan,
@@ -250,6 +249,43 @@ def _kernel(
         )
         _loaded[memo_key] = kernel
     return kernel
+
+
+def _first_launch_builder(
+    spec: AttentionSpec, target: Arch, kernel_plan: Plan, cache: KernelCache, key: str, first_call: bool
+):
+    """What a first launch runs to build ``kernel_plan`` (key ``key``): where ``first_call``
+    allows, the planner has a first-call plan and a core is spare (fa4gen.background), that plan
+    is built here and ``kernel_plan`` in a child process, which the kernel takes over from once
+    it is done."""
+
+    def build(which: Plan) -> tuple[Any, Path]:
+        with cache.pinned():
+            built = _build_plan(spec, target, which, cache, no_compile=False).entry
+            return _function_of(built), built.path
+
+    def load_full() -> tuple[Any, Path]:
+        entry = cache.lookup(key)
+        return (_function_of(entry), entry.path) if entry is not None else build(kernel_plan)
+
+    def first_launch() -> tuple[Any, Path, background.PendingBuild | None]:
+        quick = first_call_plan(kernel_plan) if first_call and background.enabled() else None
+        if quick is None or cache.lookup(key) is not None:  # (another process may have built it)
+            return (*load_full(), None)
+        job = {
+            "spec": spec.canonical(),
+            "plan": kernel_plan.model_dump(mode="json"),
+            "arch": target.value,
+            "cache": str(cache.root),
+            "key": key,
+        }
+        try:
+            pending = background.start(job, load_full, f"{spec.summary()} for {target.value}")
+        except OSError:  # no child process here: build the planner's kernel now
+            return (*build(kernel_plan), None)
+        return (*build(quick), pending)
+
+    return first_launch
 
 
 def _function_of(entry: CacheEntry):

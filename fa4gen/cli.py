@@ -39,7 +39,7 @@ from fa4gen.api import BUILD_INFO_FILE, NO_COMPILE_ENV, _no_compile_default
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheEntry, CacheError, CacheMiss, CacheWarning, KernelCache, default_cache_root
 from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
-from fa4gen.planner import Plan, candidates, plan_for_seqlen, seqlen_splits
+from fa4gen.planner import Plan, candidates, first_call_plan, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import SpecFileError, load_spec
 from fa4gen.toolchain import ToolchainError, toolchain
@@ -247,6 +247,14 @@ def plan_command(
     arch: ArchOption = Arch.SM90A.value,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     seqlen: SeqlenOption = None,
+    first_call: Annotated[
+        bool,
+        typer.Option(
+            "--first-call",
+            help="Show what the first calls run while a kernel missing from the cache builds "
+            "(the plan without options that only add code for speed), for each plan.",
+        ),
+    ] = False,
 ) -> None:
     """Show the tile/pipeline schedule for a spec and the reason behind each choice (and the
     plans for the ranges of query lengths that run another one, where the planner has them)."""
@@ -254,6 +262,9 @@ def plan_command(
         spec = load_spec(spec_file)
         kernel_plan = _chosen_plan(spec, arch, seqlen)
         splits = () if seqlen is not None else seqlen_splits(spec, arch)
+        if first_call:  # (a plan without such options is its own first-call plan)
+            kernel_plan = first_call_plan(kernel_plan) or kernel_plan
+            splits = tuple(s.model_copy(update={"plan": first_call_plan(s.plan) or s.plan}) for s in splits)
     if as_json:
         typer.echo(kernel_plan.model_dump_json(indent=2))
     else:

@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fa4gen import background
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.handles import register
@@ -93,7 +94,7 @@ class AttentionKernel:
         key: str = "",
         path: Path | None = None,
         splits: tuple[SplitKernel, ...] = (),
-        builder: Callable[[], tuple[Any, Path]] | None = None,
+        builder: Callable[[], tuple[Any, Path, Any]] | None = None,
     ):
         self.spec = spec
         self.plan = plan
@@ -101,9 +102,11 @@ class AttentionKernel:
         self.path = path
         self.splits = splits  # the kernels of the planner's plans for ranges of query lengths
         self._function = function
-        # () -> (function, entry path): builds and loads this plan's kernel on its first launch
-        # (fa4gen.compile on a cache miss), so a first call compiles only the kernel it runs
+        # () -> (function, entry path, pending): builds and loads this plan's kernel on its first
+        # launch (fa4gen.compile on a cache miss), so a first call compiles only the kernel it
+        # runs; or a first-call kernel, with the plan's building elsewhere (fa4gen.background)
         self._builder = builder
+        self._pending = None  # background.PendingBuild of this plan's kernel while a first-call one runs
         self._build_lock = threading.Lock()
         self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
@@ -116,14 +119,22 @@ class AttentionKernel:
 
     @property
     def built(self) -> bool:
-        """Whether this plan's kernel is compiled and loaded (its length ranges' may not be)."""
+        """Whether a kernel for this plan is compiled and loaded (its length ranges' may not be):
+        the plan's own, or its first-call kernel while the plan's builds (``building``)."""
         return self._function is not None
 
-    def prepare(self) -> AttentionKernel:
+    @property
+    def building(self) -> bool:
+        """Whether a first-call kernel runs while this plan's builds in another process."""
+        return self._pending is not None
+
+    def prepare(self, ranges: bool = True) -> AttentionKernel:
         """Build and load the kernels of every length range now rather than on first use (what
-        ``fa4gen.compile`` leaves for later on a cache miss); returns self."""
-        for kernel in (self, *(split.kernel for split in self.splits)):
+        ``fa4gen.compile`` leaves for later on a cache miss), waiting for those building in the
+        background; ``ranges=False``: this plan's kernel only. Returns self."""
+        for kernel in (self, *(split.kernel for split in self.splits if ranges)):
             kernel._loaded_function()
+            kernel._take_over(wait=True)
         return self
 
     def _loaded_function(self):
@@ -132,7 +143,22 @@ class AttentionKernel:
                 if self._function is None:
                     if self._builder is None:
                         raise RuntimeError(f"{self!r} has no compiled function and nothing to build it with")
-                    self._function, self.path = self._builder()
+                    self._function, self.path, self._pending = self._builder()
+        return self._function
+
+    def _take_over(self, wait: bool = False):
+        """The function to launch: the plan's own once its background build is done (a waitpid
+        per call until then), else the first-call kernel; a failed build leaves the latter."""
+        pending = self._pending
+        if pending is not None:
+            with self._build_lock:
+                if self._pending is not None:
+                    try:
+                        done = self._pending.poll(wait)
+                    except background.BackgroundBuildFailed:
+                        done, self._pending = None, None
+                    if done is not None:
+                        (self._function, self.path), self._pending = done, None
         return self._function
 
     def kernel_for(self, seqlen_q: int | None) -> AttentionKernel:
@@ -235,6 +261,8 @@ class AttentionKernel:
             num_ctas = multiprocessor_count(q.device)
             work, flags = split_workspace(self.plan, q.device, num_ctas)
             function = self._function or self._loaded_function()  # built on a first launch only
+            if self._pending is not None and not torch.cuda.is_current_stream_capturing():
+                function = self._take_over()  # (a graph being captured keeps what it has)
             function(q, k, v, out, lse, work, flags, num_ctas, *extras)
         if varlen:
             out = out.squeeze(0) if given_out is None else given_out

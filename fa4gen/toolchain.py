@@ -80,6 +80,7 @@ HOST_ONLY_MODULES = frozenset(
     {
         "__init__.py",
         "api.py",
+        "background.py",
         "bench.py",
         "blockmask.py",
         "cache.py",

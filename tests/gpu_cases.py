@@ -183,6 +183,22 @@ def split_tail_cases() -> dict[str, tuple[AttentionSpec, object]]:
     return cases
 
 
+def first_call_cases() -> dict[str, tuple[AttentionSpec, object, object]]:
+    """(spec, planner's plan, first-call plan) for every GPU case and length range whose plan
+    has a first-call plan: on random inputs what a first call runs gives the same bits."""
+    import fa4gen
+    from fa4gen.planner import first_call_plan, seqlen_splits
+
+    cases = {}
+    for name, spec in {**gpu_specs(), **variant_specs()}.items():
+        plans = {"main": fa4gen.plan(spec, "sm_90a")} | {s.label: s.plan for s in seqlen_splits(spec, "sm_90a")}
+        for label, plan in plans.items():
+            quick = first_call_plan(plan)
+            if quick is not None:
+                cases[f"{name}/{label}"] = (spec, plan, quick)
+    return cases
+
+
 def plan_option_cases() -> dict[str, tuple[AttentionSpec, object]]:
     """Each plan option flipped away from the planner's default, on a spec that exercises it:
     the GPU tests run every one of these paths against the reference."""

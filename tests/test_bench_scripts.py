@@ -162,6 +162,9 @@ def test_first_call_arguments_and_job_order():
     assert quick.out == "x.json"
     with pytest.raises(SystemExit):
         first_call.parse_args(["--variants", "a,z"])
+    assert first_call.parse_args(["--modes", "both"]).modes == ["both"] and args.modes == ["paid", "notpaid", "both"]
+    with pytest.raises(SystemExit):
+        first_call.parse_args(["--modes", "both,fast"])
 
     jobs = first_call.plan_jobs(["a", "b", "c", "d"], repeat=3, both_repeat=1, import_repeat=5)
     assert len(jobs) == 1 + 5 + 4 * 3 * 2 * 2 + 4 * 2
@@ -244,16 +247,17 @@ def _run(kind, variant, libs, **per_lib):
 def _lib(total, first, ok=True, build=None):
     row = {"total_s": total, "first_s": first, "import_s": total - first, "compile_s": 0.5, "call_s": first - 0.5}
     row.update({"steady_ms": 0.2, "max_err": 1e-3, "ok": ok})
-    if build is not None:
-        row["build"] = {"kernels_built": build[0], "compile_seconds_sum": build[1]}
+    if build is not None:  # (kernels built, the first one's seconds): the first-call kernel, then the planner's
+        row["build"] = {"kernels_built": build[0], "compile_seconds": [build[1], 2 * build[1]]}
+        row.update({"full_ready_s": 2 * first, "bit_identical": True, "took_over": True})
     return row
 
 
 def test_first_call_summary_medians_ratios_and_tables():
     runs = [
-        _run("paid", "a", ["fa4gen"], fa4gen=_lib(6.0, 4.0, build=(1, 3.0))),
-        _run("paid", "a", ["fa4gen"], fa4gen=_lib(9.0, 5.0, build=(1, 4.0))),
-        _run("paid", "a", ["fa4gen"], fa4gen=_lib(7.0, 4.5, build=(1, 3.5))),
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(6.0, 4.0, build=(2, 3.0))),
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(9.0, 5.0, build=(2, 4.0))),
+        _run("paid", "a", ["fa4gen"], fa4gen=_lib(7.0, 4.5, build=(2, 3.5))),
         _run("paid", "a", ["fa4"], fa4=_lib(8.0, 4.0)),
         _run("notpaid", "a", ["fa4gen"], fa4gen=_lib(3.0, 3.0)),
         _run("notpaid", "a", ["fa4"], fa4=_lib(4.0, 4.0, ok=False)),
@@ -272,13 +276,15 @@ def test_first_call_summary_medians_ratios_and_tables():
     assert table[2] == "| a: d128 gqa4 causal softcap 30 B1 S2048 | imports paid | 7.00 | 8.00 | 0.88 | 3/1 |"
     assert table[4] == "| a: d128 gqa4 causal softcap 30 B1 S2048 | one process, fa4gen first | - | - | - | 0/0 |"
     parts = {row["lib"]: row for row in first_call.breakdown(runs, ["a"])}
-    assert (parts["fa4gen"]["trace_compile_s"], parts["fa4gen"]["kernels_built"]) == (3.5, 1)
+    assert (parts["fa4gen"]["trace_compile_s"], parts["fa4gen"]["kernels_built"]) == (3.5, 2)
+    assert parts["fa4gen"]["full_ready_s"] == 9.0 and parts["fa4"]["full_ready_s"] is None
     assert parts["fa4"]["trace_compile_s"] is None
     lines = first_call.markdown_breakdown(list(parts.values())).splitlines()
-    assert lines[2].startswith("| a | fa4gen | 2.50 | 0.50 | 4.00 | 7.00 | 1 | 3.50 |")
+    assert lines[2].startswith("| a | fa4gen | 2.50 | 0.50 | 4.00 | 7.00 | 2 | 3.50 | 9.00 |")
     assert lines[3].startswith("| a | flash-attn-4 | 4.00 | - |")
     assert first_call.correctness(runs, ["a"]) == [
-        "a: fa4gen max|o - ref| 1.00e-03, flash-attn-4 max|o - ref| 1.00e-03 (1 FAILED), max|fa4gen - fa4| 7.81e-03"
+        "a: fa4gen max|o - ref| 1.00e-03, flash-attn-4 max|o - ref| 1.00e-03 (1 FAILED), first-call kernel = "
+        "planner's, bit for bit: 3/3, max|fa4gen - fa4| 7.81e-03"
     ]
     assert first_call.failed_checks(runs) == 1
     assert first_call.median([]) is None and first_call.median([3.0, 1.0, 2.0]) == 2.0

@@ -25,7 +25,7 @@ from fa4gen.api import cache_key_parts
 from fa4gen.arch import Arch
 from fa4gen.cache import make_key
 from fa4gen.cli import app, human_size, parse_duration
-from fa4gen.planner import seqlen_splits
+from fa4gen.planner import first_call_plan, seqlen_splits
 
 SMALL_SPEC = "head_dim: 64\n"
 # the cache tests' spec: one plan, so one entry (an unmasked spec adds its long-range plan)
@@ -104,6 +104,15 @@ def test_schema_is_the_spec_json_schema() -> None:
     assert result.exit_code == 0
     assert json.loads(result.stdout) == fa4gen.spec_json_schema()
     assert "head_dim" in json.loads(result.stdout)["properties"]
+
+
+def test_plan_shows_what_first_calls_run(tmp_path: Path) -> None:
+    result = run("plan", write_spec(tmp_path), "--arch", "sm_90a", "--first-call", "--json")
+    spec = fa4gen.AttentionSpec(head_dim=64)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == first_call_plan(fa4gen.plan(spec, "sm_90a")).model_dump_json(indent=2)
+    text = run("plan", write_spec(tmp_path), "--first-call").stdout
+    assert text.count("(decision first-call-plan)") >= 3 and "stale_max" in text  # the plan and its ranges
 
 
 def test_plan_prints_schedule_with_reasons(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from gpu_cases import (
     SHAPES,
+    first_call_cases,
     gpu_specs,
     keyless_cases,
     pair_tail_specs,
@@ -75,6 +76,31 @@ def test_matches_reference(name, shape):
     assert_close_to_reference(spec, q, k, v, out, lse, args=args)
     if spec.score_mod is not None and spec.score_mod.kind in ("alibi", "relative_bias"):
         assert_close_to_reference(spec, q, k, v, out, lse, args=args, independent=True)
+
+
+FIRST_CALL = first_call_cases()
+FIRST_CALL_SHAPES = [(3, 4097, 4097), (2, 777, 1280), (1, 17, 1000)]
+
+
+@pytest.mark.parametrize("shape", FIRST_CALL_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(FIRST_CALL))
+def test_first_call_kernel_gives_the_same_bits(name, shape):
+    """What a first call runs while the planner's kernel builds (one loop body for every key
+    tile) gives the planner's O and LSE up to rounding: they differ only where the planner's
+    kernel skips a tile's row max (stale max) and a row's max moves there or the row saw no key
+    before it (decision first-call-plan). O within one bf16/fp16 unit, LSE within 2^-20 of its
+    magnitude; both within the reference's bound."""
+    import torch
+
+    spec, plan, quick = FIRST_CALL[name]
+    q, k, v, args = variant_inputs(spec, *shape, seed=hash((name, shape)) % 2**31, kv_heads=KV_HEADS)
+    full = _run_poisoned(spec, fa4gen.compile(spec, kernel_plan=plan), q, k, v, args)
+    first = _run_poisoned(spec, fa4gen.compile(spec, kernel_plan=quick), q, k, v, args)
+    unit = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10  # one unit in the last place, at worst
+    torch.testing.assert_close(first[0], full[0], rtol=unit, atol=1e-6)
+    if first[1] is not None:
+        torch.testing.assert_close(first[1], full[1], rtol=2.0**-20, atol=2.0**-20)
+    assert_close_to_reference(spec, q, k, v, first[0], first[1], args=args)
 
 
 @pytest.mark.parametrize(

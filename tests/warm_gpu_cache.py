@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_cases import (
     example_specs,
+    first_call_cases,
     gpu_specs,
     keyless_cases,
     pair_tail_specs,
@@ -58,6 +59,8 @@ def main(cache_dir: str) -> None:
         **{f"keyless/{name}": case for name, case in keyless_cases().items()},
         **{f"split-tail/{name}": case for name, case in split_tail_cases().items()},
     }
+    for name, (spec, _, quick) in first_call_cases().items():
+        planned[f"first-call/{name}"] = (spec, quick)
     for name, (spec, plan) in planned.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir, kernel_plan=plan)

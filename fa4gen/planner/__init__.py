@@ -10,11 +10,12 @@ from __future__ import annotations
 from fa4gen.arch import Arch, require_supported
 from fa4gen.planner.candidates import candidates
 from fa4gen.planner.model import Plan, SeqlenSplit, plan_problem, split_workspace_shape
-from fa4gen.planner.sm90 import plan_sm90, splits_sm90
+from fa4gen.planner.sm90 import first_call_sm90, plan_sm90, splits_sm90
 from fa4gen.spec import AttentionSpec
 
 _PLANNERS = {Arch.SM90A: plan_sm90}
 _SPLIT_PLANNERS = {Arch.SM90A: splits_sm90}
+_FIRST_CALL_PLANNERS = {Arch.SM90A: first_call_sm90}
 
 
 def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
@@ -29,6 +30,12 @@ def seqlen_splits(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> tuple[S
     return _SPLIT_PLANNERS[require_supported(arch)](spec)
 
 
+def first_call_plan(p: Plan) -> Plan | None:
+    """A plan that computes what ``p`` computes and compiles faster, for the first calls of a
+    kernel missing from the cache while ``p`` builds in the background; None: build ``p``."""
+    return _FIRST_CALL_PLANNERS[require_supported(p.arch)](p)
+
+
 def plan_for_seqlen(spec: AttentionSpec, arch: Arch | str, seqlen_q: int) -> Plan:
     """The plan a launch whose longest query sequence has ``seqlen_q`` rows runs."""
     return next((s.plan for s in seqlen_splits(spec, arch) if s.covers(seqlen_q)), plan(spec, arch))
@@ -38,6 +45,7 @@ __all__ = [
     "Plan",
     "SeqlenSplit",
     "candidates",
+    "first_call_plan",
     "plan",
     "plan_for_seqlen",
     "plan_problem",

@@ -280,6 +280,36 @@ def _reasons(spec: AttentionSpec, c: Sm90FwdConfig) -> dict[str, str]:
     }
 
 
+# Options that add traced code for speed alone (decision first-call-plan): off, every key tile
+# runs one loop body where they ran up to four, at half the compile time or less.
+FIRST_CALL_OFF = {
+    "mask_runs": "one key-tile loop with a mask flag per tile",
+    "chain_query_tiles": "each query tile ends with its own last P.V",
+    "interior_first_tile": "the first key tile always runs the mask",
+    "stale_max": "every key tile finds its row max",
+}
+
+
+def first_call_sm90(p: Plan) -> Plan | None:
+    """What a first call runs while ``p`` builds in the background: ``p`` without the options that
+    only add code for speed; None where ``p`` has none of them."""
+    update = {name: False for name in FIRST_CALL_OFF if getattr(p.config, name)}
+    if not update:
+        return None
+    quick = p.model_copy(
+        update={
+            "config": p.config.model_copy(update=update),
+            "reasons": {
+                **p.reasons,
+                **{name: f"first calls: {FIRST_CALL_OFF[name]} (decision first-call-plan)" for name in update},
+            },
+        }
+    )
+    problem = config_problem(quick.config)
+    assert not problem, problem
+    return quick
+
+
 def splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
     """The plans launches in a range of query lengths run instead of ``plan_sm90(spec)``."""
     base = plan_sm90(spec)

@@ -20,11 +20,26 @@ compare per score), and only tiles below split_lo compare the start too.
 
 from __future__ import annotations
 
+import array
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import arith
+
+
+def column_offsets(coords_mn: cute.Tensor, row_shape) -> cute.TensorSSA:
+    """Each register's column offset from the thread's first column, one row's worth as a constant
+    vector shaped ``row_shape``: in an MMA accumulator layout the same for every thread (the
+    column mode's strides are static; checked here while tracing)."""
+    cols = cute.size(coords_mn, mode=[1])
+    columns = [cute.crd2idx((0, c), coords_mn.layout)[1] for c in range(cols)]
+    assert all(isinstance(c, int) for c in columns), f"column offsets are not static: {coords_mn.layout}"
+    vector = ir.VectorType.get([cols], Int32.mlir_type)
+    values = array.array("i", [c - columns[0] for c in columns])
+    return cute.TensorSSA(arith.constant(vector, ir.DenseElementsAttr.get(values, type=vector)), row_shape, Int32)
 
 
 class KeyTileRange:
@@ -211,14 +226,14 @@ class KeyTileRange:
         col_base: Int32,
         check_start: cutlass.Constexpr[bool],
     ):
-        """``apply`` with the start compare traced or not."""
+        """``apply`` with the start compare traced or not: one vector operation per row and step
+        (LLVM splits them into the per-score compares and selects; traced per score they cost
+        seconds of compile time)."""
         first_col = col_base + coords_mn[0, 0][1]  # this thread's first column
+        offsets = column_offsets(coords_mn, scores_mn[0, None].shape)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
-            below = ends[r] - first_col  # visible: offset < below (and offset >= above)
-            above = starts[r] - first_col
-            for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-                offset = coords_mn[0, c][1] - coords_mn[0, 0][1]  # the same for every thread
-                visible = offset < below
-                if cutlass.const_expr(check_start):
-                    visible = visible & (offset >= above)
-                scores_mn[r, c] = cutlass.Float32(cutlass.select_(visible, scores_mn[r, c], -cutlass.Float32.inf))
+            visible = offsets < ends[r] - first_col
+            if cutlass.const_expr(check_start):
+                visible = visible & (offsets >= starts[r] - first_col)
+            row = scores_mn[r, None]
+            row.store(cute.where(visible, row.load(), -cutlass.Float32.inf))

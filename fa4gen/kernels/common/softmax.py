@@ -97,10 +97,10 @@ class OnlineSoftmax:
     def _exponentiate_row(self, scores_mn: cute.Tensor, r: int, reference: Float32) -> Float32:
         """Row ``r``'s scores become 2^(s * scale - reference) in place; returns this thread's
         share of their sum."""
-        scale = Float32(self.scale_log2)
-        for c in cutlass.range_constexpr(cute.size(scores_mn, mode=[1])):
-            scores_mn[r, c] = cute.math.exp2(scores_mn[r, c] * scale - reference, fastmath=True)
-        return scores_mn[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        row = scores_mn[r, None]  # one vector operation per step (see masking.column_offsets)
+        probs = cute.math.exp2(row.load() * Float32(self.scale_log2) - reference, fastmath=True)
+        row.store(probs)
+        return probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
     @cute.jit
     def stale_exponentials(self, scores_mn: cute.Tensor, row_max: cute.Tensor, tile_sum: cute.Tensor):
@@ -205,8 +205,8 @@ class OnlineSoftmax:
     @cute.jit
     def _multiply_rows(self, out_mn: cute.Tensor, correction: cute.Tensor):
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-                out_mn[r, c] = out_mn[r, c] * correction[r]
+            row = out_mn[r, None]
+            row.store(row.load() * correction[r])
 
     @cute.jit
     def finalize(
@@ -239,5 +239,5 @@ class OnlineSoftmax:
                 rows = cute.size(out_mn, mode=[0])
                 weights[rows + r] = weights[rows + r] * inv
                 inv = inv * weights[r]
-            for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-                out_mn[r, c] = out_mn[r, c] * inv
+            row = out_mn[r, None]
+            row.store(row.load() * inv)

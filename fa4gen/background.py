@@ -1,0 +1,114 @@
+"""Builds in another process: the planner's kernel compiles there while a first call runs a
+kernel that compiles in about half the time (``planner.first_call_plan``, decision first-call-plan).
+
+The child is a fresh interpreter with this one's ``sys.path`` and no visible GPU (compiling never
+needs one), niced so the caller's work comes first. It builds one plan into the shared disk
+cache, whose per-key lock makes concurrent builders of one key wait for the first; the parent
+polls it with a ``waitpid`` per launch and loads the kernel from the cache once it exits. A child
+still running when the parent exits finishes its build, so the next process finds the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENV = "FA4GEN_FIRST_CALL"  # "full": a cache miss builds the planner's kernel before the first call
+MIN_CPUS = 4  # the child needs a core of its own, or it slows the first call it should not delay
+LOG_TAIL = 2000  # characters of a failed child's last line quoted in the warning
+
+Loaded = tuple[Any, Path]  # (the kernel's entry point, its cache entry's path)
+
+
+class FirstCallWarning(UserWarning):
+    """The planner's kernel could not be built in the background: the first-call kernel stays."""
+
+
+def enabled() -> bool:
+    """Whether a cache miss may run a first-call kernel while the planner's builds elsewhere."""
+    if os.environ.get(ENV, "").strip().lower() == "full":
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cpus = os.cpu_count() or 1
+    return cpus >= MIN_CPUS
+
+
+class PendingBuild:
+    """A plan building in a child process; ``poll`` says whether it is done without blocking."""
+
+    def __init__(self, process: subprocess.Popen, log: Any, load: Callable[[], Loaded], what: str):
+        self._process = process
+        self._log = log
+        self._load = load
+        self.what = what
+
+    def poll(self, wait: bool = False) -> Loaded | None:
+        """The built kernel once the child has exited (loaded from the cache), else None; a
+        failed child warns once (FirstCallWarning) and raises BackgroundBuildFailed."""
+        code = self._process.wait() if wait else self._process.poll()
+        if code is None:
+            return None
+        self._log.seek(0)
+        output = self._log.read().decode(errors="replace")
+        self._log.close()
+        if code != 0:
+            last = (output.strip().splitlines() or ["(no output)"])[-1][-LOG_TAIL:]
+            message = (
+                f"fa4gen could not build {self.what} in the background (exit status {code}), so its first-call "
+                f"kernel keeps running; `fa4gen warm` or kernel.prepare() builds it. The child said: {last}"
+            )
+            warnings.warn(message, FirstCallWarning, stacklevel=3)
+            raise BackgroundBuildFailed(message)
+        return self._load()
+
+
+class BackgroundBuildFailed(RuntimeError):
+    pass
+
+
+def start(job: dict[str, Any], load: Callable[[], Loaded], what: str) -> PendingBuild:
+    """Run ``main(job)`` in a child process (see ``main`` for the job's fields)."""
+    log = tempfile.TemporaryFile()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    boot = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from fa4gen.background import main; main()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", boot, json.dumps(sys.path), json.dumps(job)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        close_fds=True,
+    )
+    return PendingBuild(process, log, load, what)
+
+
+def main() -> None:
+    """The child: build one plan into a cache. ``job``: spec (canonical dict), plan (dict),
+    arch, cache (root) and key (what the parent expects the plan's key to be)."""
+    from fa4gen.api import _build_plan
+    from fa4gen.arch import Arch
+    from fa4gen.cache import KernelCache
+    from fa4gen.planner import Plan
+    from fa4gen.spec import AttentionSpec
+
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    job = json.loads(sys.argv[2])
+    try:
+        spec, plan = AttentionSpec.model_validate(job["spec"]), Plan.model_validate(job["plan"])
+        result = _build_plan(spec, Arch.parse(job["arch"]), plan, KernelCache(job["cache"]), False)
+    except Exception as exc:  # one line for the parent's warning
+        sys.exit(f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:LOG_TAIL])
+    if result.key != job["key"]:  # another toolchain or source tree than the parent's
+        sys.exit(f"built key {result.key[:16]}, the caller expected {job['key'][:16]}")
