@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fa4gen import background
+import fa4gen.background as background
 from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, CacheMiss, KernelCache, default_cache_root, make_key

@@ -76,10 +76,10 @@ class BackgroundBuildFailed(RuntimeError):
 
 
 def start(job: dict[str, Any], load: Callable[[], Loaded], what: str) -> PendingBuild:
-    """Run ``main(job)`` in a child process (see ``main`` for the job's fields)."""
+    """Build ``job`` in a child process (fa4gen.background_child.main says what a job holds)."""
     log = tempfile.TemporaryFile()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    boot = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from fa4gen.background import main; main()"
+    boot = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from fa4gen.background_child import main; main()"
     process = subprocess.Popen(
         [sys.executable, "-c", boot, json.dumps(sys.path), json.dumps(job)],
         stdin=subprocess.DEVNULL,
@@ -89,26 +89,3 @@ def start(job: dict[str, Any], load: Callable[[], Loaded], what: str) -> Pending
         close_fds=True,
     )
     return PendingBuild(process, log, load, what)
-
-
-def main() -> None:
-    """The child: build one plan into a cache. ``job``: spec (canonical dict), plan (dict),
-    arch, cache (root) and key (what the parent expects the plan's key to be)."""
-    from fa4gen.api import _build_plan
-    from fa4gen.arch import Arch
-    from fa4gen.cache import KernelCache
-    from fa4gen.planner import Plan
-    from fa4gen.spec import AttentionSpec
-
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    job = json.loads(sys.argv[2])
-    try:
-        spec, plan = AttentionSpec.model_validate(job["spec"]), Plan.model_validate(job["plan"])
-        result = _build_plan(spec, Arch.parse(job["arch"]), plan, KernelCache(job["cache"]), False)
-    except Exception as exc:  # one line for the parent's warning
-        sys.exit(f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:LOG_TAIL])
-    if result.key != job["key"]:  # another toolchain or source tree than the parent's
-        sys.exit(f"built key {result.key[:16]}, the caller expected {job['key'][:16]}")

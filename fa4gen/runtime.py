@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fa4gen import background
+import fa4gen.background as background
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.handles import register

@@ -81,6 +81,7 @@ HOST_ONLY_MODULES = frozenset(
         "__init__.py",
         "api.py",
         "background.py",
+        "background_child.py",
         "bench.py",
         "blockmask.py",
         "cache.py",

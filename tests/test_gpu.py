@@ -97,7 +97,8 @@ def test_first_call_kernel_gives_the_same_bits(name, shape):
     full = _run_poisoned(spec, fa4gen.compile(spec, kernel_plan=plan), q, k, v, args)
     first = _run_poisoned(spec, fa4gen.compile(spec, kernel_plan=quick), q, k, v, args)
     unit = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10  # one unit in the last place, at worst
-    torch.testing.assert_close(first[0], full[0], rtol=unit, atol=1e-6)
+    # absolute: P rounds to 16 bits either way, so an entry moves by up to a unit of O's scale
+    torch.testing.assert_close(first[0], full[0], rtol=unit, atol=unit * float(full[0].abs().max()))
     if first[1] is not None:
         torch.testing.assert_close(first[1], full[1], rtol=2.0**-20, atol=2.0**-20)
     assert_close_to_reference(spec, q, k, v, first[0], first[1], args=args)

@@ -64,7 +64,7 @@ def test_tune_records_the_fastest_and_compile_uses_it_on_that_gpu(tmp_path, monk
     assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H200") == result.best
     assert tuning.tuned_plan(tmp_path, spec, Arch.SM90A, "NVIDIA H100 80GB HBM3") is None
 
-    def kernel_stub(spec, target, kernel_plan, cache, refuse, splits=()):  # the plan compile() loads
+    def kernel_stub(spec, target, kernel_plan, cache, refuse, splits=(), first_call=True):  # the plan compile() loads
         return ("kernel", kernel_plan)
 
     monkeypatch.setattr(tuned, "current_device_name", lambda: "NVIDIA H200")
@@ -219,7 +219,7 @@ def test_compile_attaches_the_length_range_kernels_unless_a_plan_is_given(tmp_pa
     ranges = seqlen_splits(spec, "sm_90a")
     recorded = candidates(spec, "sm_90a")[1]
 
-    def fake_kernel(spec_, target, kernel_plan, cache, refuse, splits=()):
+    def fake_kernel(spec_, target, kernel_plan, cache, refuse, splits=(), first_call=True):
         return kernel_plan, splits
 
     monkeypatch.setattr(api, "_kernel", fake_kernel)
