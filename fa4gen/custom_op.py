@@ -101,15 +101,24 @@ def _scalar(spec: AttentionSpec, name: str, value: float):
 
 
 # ----------------------------------------------------------------------------- calling it
+KEYWORDS = frozenset((*TENSOR_ARGUMENTS, "max_seqlen_q", "max_seqlen_k", "block_mask", "aux"))
+
+
+def check_keywords(variant: dict[str, Any]) -> None:
+    """The run-time values ``AttentionKernel.__call__`` takes (besides out / lse), and no others."""
+    unknown = sorted(set(variant) - KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(unknown)}")
+
+
 def _op_arguments(handle: str, variant: dict[str, Any]) -> list[Any]:
     """The op's arguments after q, k, v: what ``AttentionKernel.__call__`` takes as keywords."""
+    check_keywords(variant)
     variant = dict(variant)
     tensors = [variant.pop(name, None) for name in TENSOR_ARGUMENTS]
     max_q, max_k = variant.pop("max_seqlen_q", None), variant.pop("max_seqlen_k", None)
     block_mask = variant.pop("block_mask", None)
     aux = variant.pop("aux", None) or {}
-    if variant:
-        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
     block_tensors, block_sizes = [], []
     if block_mask is not None:
         block_tensors = [block_mask.count, block_mask.index, block_mask.full]

@@ -7,6 +7,7 @@ call is traced.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,3 +40,10 @@ def registered(handle: str) -> Registered:
             "call fa4gen.compile(spec) or use fa4gen.ops.attention(spec, ...)"
         )
     return found
+
+
+def live_object(object_id: int) -> Any:
+    """The object whose ``id`` this is, for functions Dynamo runs while tracing
+    (``torch._dynamo.assume_constant_result``), which it passes constants only (torch 2.11
+    refuses objects): valid while the caller holds the object, since CPython's id is its address."""
+    return ctypes.cast(object_id, ctypes.py_object).value

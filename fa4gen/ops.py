@@ -7,14 +7,14 @@ run while Dynamo traces. ``attention`` names the spec's kernel to the custom op 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import threading
 
 import torch
 
-from fa4gen.custom_op import call
-from fa4gen.handles import register
+from fa4gen.custom_op import call, check_keywords
+from fa4gen.handles import live_object, register
+from fa4gen.runtime import _traced
 from fa4gen.spec import AttentionSpec
 
 _COMPILED: dict[str, object] = {}  # spec handle -> its compiled kernel
@@ -42,7 +42,7 @@ def _traced_handle(spec_id: int) -> str:
     """``spec_handle`` of the spec whose id this is. Dynamo passes such functions constants only
     (torch 2.11 refuses an object), so the spec comes by id: the traced frame holds it, so the id
     is the live object's (CPython's id is its address)."""
-    spec = ctypes.cast(spec_id, ctypes.py_object).value
+    spec = live_object(spec_id)
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.ops takes an AttentionSpec, got {type(spec).__name__}")
     return spec_handle(spec)
@@ -62,9 +62,15 @@ def _kernel(spec: AttentionSpec):
     return kernel
 
 
-def attention(spec: AttentionSpec, q, k, v, **variant):
-    """``fa4gen.compile(spec)(q, k, v, **variant)`` through the custom op, compiling the kernel on
-    the op's first real call rather than here: for model code that torch.compile traces before
-    any kernel exists. Same arguments and results as ``AttentionKernel.__call__``."""
-    handle = _traced_handle(id(spec)) if torch.compiler.is_compiling() else spec_handle(spec)
-    return call(handle, spec, q, k, v, **variant)
+def attention(spec: AttentionSpec, q, k, v, *, out=None, lse=None, **variant):
+    """``fa4gen.compile(spec)(q, k, v, **variant)`` for model code that torch.compile traces before
+    any kernel exists: traced (Dynamo, fake or meta tensors) it is the custom op, whose first real
+    call compiles the kernel; run eagerly it launches the kernel directly (no dispatcher in the
+    way of a decode step). Same arguments and results as ``AttentionKernel.__call__``."""
+    if torch.compiler.is_compiling():
+        return call(_traced_handle(id(spec)), spec, q, k, v, out=out, lse=lse, **variant)
+    handle = spec_handle(spec)
+    if _traced(q):
+        return call(handle, spec, q, k, v, out=out, lse=lse, **variant)
+    check_keywords(variant)
+    return _kernel(spec)(q, k, v, out=out, lse=lse, **variant)

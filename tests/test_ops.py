@@ -37,13 +37,14 @@ class ReferenceRunner:
     def __init__(self, spec):
         self.spec, self.calls = spec, []
 
-    def __call__(self, q, k, v, **variant):
+    def __call__(self, q, k, v, *, out=None, lse=None, **variant):
         self.calls.append(variant)
         args = {name: value for name, value in variant.items() if name != "aux"}
         args.update(variant.get("aux", {}))
-        out, lse = reference(self.spec, q, k, v, args=args)
-        out = out.to(q.dtype)
-        return (out, lse) if self.spec.return_lse else out
+        result, result_lse = reference(self.spec, q, k, v, args=args)
+        result = result.to(q.dtype) if out is None else out.copy_(result)
+        result_lse = result_lse if lse is None else lse.copy_(result_lse)
+        return (result, result_lse) if self.spec.return_lse else result
 
 
 @pytest.fixture
@@ -245,3 +246,19 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_eager_calls_launch_directly_and_traced_ones_use_the_op(reference_kernels, monkeypatch):
+    """Run eagerly, ``ops.attention`` calls the kernel itself (no dispatcher per decode step);
+    with tensors that hold no data (meta / fake) it is the op, so tracing sees one node."""
+    spec = DOCUMENTS.model_copy(update={"mask": None})
+    through_op = []
+    monkeypatch.setattr(ops, "call", lambda *args, **kwargs: through_op.append(args) or "op")
+    q, k, v = _inputs(2, 8, 8, spec)
+    out = torch.full((2, 8, 2, 64), float("nan"), dtype=torch.bfloat16)
+    assert ops.attention(spec, q, k, v, out=out) is out and not out.isnan().any() and through_op == []
+    (runner,) = reference_kernels.values()
+    assert runner.calls == [{}]
+    assert ops.attention(spec, *_inputs(2, 8, 8, spec, device="meta")) == "op" and len(through_op) == 1
+    with pytest.raises(TypeError, match="unexpected keyword arguments: windw"):
+        ops.attention(spec, q, k, v, windw=3)

@@ -51,7 +51,6 @@ inputs.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import warnings
 import weakref
@@ -65,6 +64,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 import fa4gen.ops
 from fa4gen.arch import UnsupportedArchError, detect_arch
+from fa4gen.handles import live_object
 from fa4gen.hf import HFConfigError, hf_specs
 from fa4gen.spec import AttentionSpec
 
@@ -256,7 +256,7 @@ def _traced_key(key: int) -> int:
         return key
     # Dynamo took the id of the config of the module it is tracing, which holds the config: the
     # object is alive, so its id is its address
-    return _mapped_key(ctypes.cast(key, ctypes.py_object).value)
+    return _mapped_key(live_object(key))
 
 
 def _map_model(config) -> _Model:

@@ -18,7 +18,8 @@ a bound or, with a block mask, is partial. Either way interior
 and full tiles skip the mask code. Where rows can start past key 0 (left windows, chunks,
 documents), the mask compares the rows' starts only in key tiles below split_lo (masking.py): the
 left run, and the first tile when it lies there, which is traced in both forms and chosen per
-query tile (decision mask-compare). The highest tiles of a query
+query tile (decision mask-compare); without mask runs every masked tile compares the starts, in one
+form. The highest tiles of a query
 tile can be masked for every row of one warpgroup (the diagonal of a 192-row tile, rows past
 Sq): that warpgroup passes them by without MMAs, releasing their stages and its turns.
 """
@@ -99,7 +100,11 @@ class Sm90MainLoop:
                     loop, tile, left_start, tile.n_count, k_state, v_state, True, check_start=True
                 )
         else:
-            k_state, v_state = self.key_tile_run(loop, tile, start + 1, tile.n_count, k_state, v_state, None)
+            # one loop body: where rows can start past key 0 every masked tile compares starts
+            # too (a no-op above split_lo), rather than tracing the mask in both forms
+            k_state, v_state = self.key_tile_run(
+                loop, tile, start + 1, tile.n_count, k_state, v_state, None, check_start=True
+            )
         if cutlass.const_expr(not self.chain):
             if cutlass.const_expr(self.releases_q_early()):
                 loop.pipe_q.consumer_release(loop.q_state)  # the last Q.K^T is done
@@ -113,6 +118,8 @@ class Sm90MainLoop:
         inside); ``chained``: issued with the held query tile's last P.V (chain.py)."""
         if cutlass.const_expr(self.key_tiles.starts_at_zero):
             k_state, v_state = self.first_past_starts(loop, tile, first, k_state, v_state, chained)
+        elif cutlass.const_expr(not self.cfg.mask_runs):  # one form, as the loop (visible_tiles)
+            k_state, v_state = self.first_tile_as(loop, tile, first, k_state, v_state, True, True, chained)
         elif first < tile.split_lo:
             k_state, v_state = self.first_tile_as(loop, tile, first, k_state, v_state, True, True, chained)
         else:
