@@ -32,12 +32,25 @@ def _nvdisasm() -> str | None:
     return None
 
 
+# specs whose first-call plans (planner.first_call_plan) are cross-compiled too: one per kind of
+# loop body they collapse (mask runs with a left bound, causal mask runs, chain + interior first tile)
+FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
+
+
 @pytest.fixture(scope="module")
 def artifacts(warm_cache):
-    """Every built kernel: each spec's default plan, and its plans for length ranges."""
-    _, results = warm_cache
+    """Every built kernel: each spec's default plan, its plans for length ranges, and the
+    first-call plans of FIRST_CALL_SPECS."""
+    import fa4gen
+    from fa4gen.planner import first_call_plan
+
+    root, results = warm_cache
     found = dict(results)
     found.update({f"{name}.{split.label}": built for name, result in results.items() for split, built in result.splits})
+    for name in FIRST_CALL_SPECS:
+        quick = first_call_plan(results[name].plan)
+        assert quick is not None, f"{name}'s plan has no first-call plan: pick another spec"
+        found[f"{name}.first-call"] = fa4gen.build(results[name].spec, "sm_90a", cache_dir=root, kernel_plan=quick)
     return found
 
 
