@@ -31,15 +31,29 @@ class FirstCallWarning(UserWarning):
     """The planner's kernel could not be built in the background: the first-call kernel stays."""
 
 
+CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period", or "max period"
+
+
+def usable_cpus() -> float:
+    """The cores this process may use: its CPU affinity, capped by a container's CPU quota."""
+    try:
+        cpus: float = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = CPU_QUOTA.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
 def enabled() -> bool:
     """Whether a cache miss may run a first-call kernel while the planner's builds elsewhere."""
     if os.environ.get(ENV, "").strip().lower() == "full":
         return False
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
-        cpus = os.cpu_count() or 1
-    return cpus >= MIN_CPUS
+    return usable_cpus() >= MIN_CPUS
 
 
 class PendingBuild:

@@ -39,10 +39,18 @@ def test_first_call_plan_turns_off_only_code_for_speed(name):
         assert first_call_plan(quick) is None
 
 
-def test_enabled_needs_spare_cores_and_honours_the_opt_out(monkeypatch):
+def test_enabled_needs_spare_cores_and_honours_the_opt_out(monkeypatch, tmp_path):
     monkeypatch.setattr(background.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(background, "CPU_QUOTA", tmp_path / "cpu.max")  # (none: no cgroup quota)
     monkeypatch.delenv(background.ENV, raising=False)
-    assert background.enabled()
+    assert background.enabled() and background.usable_cpus() == 16
+    for quota, cpus in (("max 100000", 16), ("200000 100000", 2.0), ("1600000 100000", 16), ("junk", 16)):
+        (tmp_path / "cpu.max").write_text(quota + "\n")
+        assert background.usable_cpus() == cpus, quota
+    assert background.enabled()  # (16 cores under the last quota)
+    (tmp_path / "cpu.max").write_text("200000 100000\n")  # a container limited to 2 cores
+    assert not background.enabled()
+    (tmp_path / "cpu.max").unlink()
     monkeypatch.setenv(background.ENV, "full")
     assert not background.enabled()
     monkeypatch.delenv(background.ENV)
