@@ -78,7 +78,8 @@ class PendingBuild:
             last = (output.strip().splitlines() or ["(no output)"])[-1][-LOG_TAIL:]
             message = (
                 f"fa4gen could not build {self.what} in the background (exit status {code}), so its first-call "
-                f"kernel keeps running; `fa4gen warm` or kernel.prepare() builds it. The child said: {last}"
+                f"kernel keeps running in this process; `fa4gen warm`, or FA4GEN_FIRST_CALL=full in the next "
+                f"process, builds it. The child said: {last}"
             )
             warnings.warn(message, FirstCallWarning, stacklevel=3)
             raise BackgroundBuildFailed(message)
@@ -86,7 +87,7 @@ class PendingBuild:
 
 
 class BackgroundBuildFailed(RuntimeError):
-    pass
+    """The child exited with an error (already reported as a FirstCallWarning)."""
 
 
 def start(job: dict[str, Any], load: Callable[[], Loaded], what: str) -> PendingBuild:
