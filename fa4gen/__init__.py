@@ -10,7 +10,7 @@ Stages, each a pure function over frozen models and each visible from the CLI:
 """
 
 from fa4gen._version import __version__  # noqa: E402,F401
-from fa4gen.api import BuildResult, build, compile  # noqa: E402,A004,F401 (compile: public, not in __all__)
+from fa4gen.api import BuildResult, build, compile, compile_backward  # noqa: E402,A004,F401 (compile: public, not in __all__)
 from fa4gen.arch import Arch, UnsupportedArchError, detect_arch  # noqa: E402
 from fa4gen.background import FirstCallWarning  # noqa: E402
 from fa4gen.cache import CacheError, CacheMiss, KernelCache, ReadOnlyCacheError, UntrustedCacheError  # noqa: E402
@@ -40,6 +40,7 @@ __all__ = [
     "UnsupportedArchError",
     "UntrustedCacheError",
     "build",
+    "compile_backward",
     "detect_arch",
     "dump_spec",
     "emit",

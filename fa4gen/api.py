@@ -20,7 +20,7 @@ from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, CacheMiss, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, SeqlenSplit, first_call_plan, plan, plan_problem, seqlen_splits
+from fa4gen.planner import Plan, SeqlenSplit, backward_plan, first_call_plan, plan, plan_problem, seqlen_splits
 from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
@@ -98,6 +98,28 @@ def build(
             return _build_plan(spec, target, kernel_plan, cache, no_compile, progress, "given")
         main = _build_plan(spec, target, plan(spec, target), cache, no_compile, progress, "default")
         return _with_splits(main, cache, no_compile, progress)
+
+
+def build_training(
+    spec: AttentionSpec,
+    arch: Arch | str = Arch.SM90A,
+    *,
+    cache_dir: str | Path | None = None,
+    no_compile: bool | None = None,
+    cache: KernelCache | None = None,
+    progress: Progress | None = None,
+) -> tuple[BuildResult, BuildResult]:
+    """What training with ``spec`` runs, built into the cache (or found there): the forward with
+    its LSE (``training_spec``, every length range) and the backward. ValueError naming the spec
+    field where the spec has no backward."""
+    target = require_supported(arch)
+    cache = cache or KernelCache(cache_dir)
+    with_lse = training_spec(spec)
+    backward_kernel_plan = backward_plan(with_lse, target)  # (raises before anything compiles)
+    with cache.pinned():
+        forward = build(with_lse, target, cache=cache, no_compile=no_compile, progress=progress)
+        backward = _build_plan(with_lse, target, backward_kernel_plan, cache, no_compile, progress, "backward")
+    return forward, backward
 
 
 def _with_splits(
@@ -212,6 +234,66 @@ def compile(  # noqa: A001 - the public name users expect: fa4gen.compile(spec)
     return kernel.prepare() if prepare else kernel
 
 
+def training_spec(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` with its LSE: the forward autograd runs (the backward reads the LSE), and the spec
+    backward kernels are planned and cached under."""
+    return spec if spec.return_lse else AttentionSpec.model_validate({**spec.model_dump(), "return_lse": True})
+
+
+def _training_factory(spec: AttentionSpec, target: Arch, cache: KernelCache, refuse: bool):
+    """() -> the TrainingKernels of ``spec``, made on the first call autograd records."""
+    from fa4gen.backward import TrainingKernels
+
+    made: list = []
+
+    def training():
+        if not made:
+            with_lse = training_spec(spec)
+            forward = compile(with_lse, arch=target, cache_dir=cache.root, no_compile=refuse)
+            made.append(
+                TrainingKernels(
+                    spec, forward, lambda: compile_backward(spec, arch=target, cache_dir=cache.root, no_compile=refuse)
+                )
+            )
+        return made[0]
+
+    return training
+
+
+_backwards: dict[tuple[str, str], Any] = {}
+
+
+def compile_backward(
+    spec: AttentionSpec,
+    *,
+    arch: Arch | str | None = None,
+    cache_dir: str | Path | None = None,
+    no_compile: bool | None = None,
+):
+    """``spec``'s backward on the current GPU (or ``arch``): ``dq, dk, dv = kernel(q, k, v, out,
+    dout, lse)`` (fa4gen.backward.BackwardKernel), from the cache or compiled now (CacheMiss with
+    ``no_compile``); ValueError naming the spec field if the spec has no backward. Autograd through
+    ``fa4gen.compile(spec)`` calls this on its first backward."""
+    from fa4gen.backward import BackwardKernel
+
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"fa4gen.compile_backward takes an AttentionSpec, got {type(spec).__name__}")
+    target = Arch.parse(arch) if arch is not None else detect_arch()
+    spec = training_spec(spec)
+    kernel_plan = backward_plan(spec, target)
+    cache = _process_cache(cache_dir)
+    refuse = _no_compile_default() if no_compile is None else no_compile
+    key = make_key(cache_key_parts(spec, kernel_plan, target))
+    with _loaded_lock:
+        if (key, str(cache.root)) in _backwards:
+            return _backwards[(key, str(cache.root))]
+    with cache.pinned():
+        entry = _build_plan(spec, target, kernel_plan, cache, refuse, label="backward").entry
+        kernel = BackwardKernel(spec, kernel_plan, _function_of(entry), key=key, path=entry.path)
+    with _loaded_lock:
+        return _backwards.setdefault((key, str(cache.root)), kernel)
+
+
 def _kernel(
     spec: AttentionSpec,
     target: Arch,
@@ -247,6 +329,7 @@ def _kernel(
             splits=splits,
             builder=builder,
         )
+        kernel.training = _training_factory(spec, target, cache, refuse)  # what autograd runs
         _loaded[memo_key] = kernel
     return kernel
 

@@ -35,11 +35,11 @@ import yaml
 from pydantic import ValidationError
 
 import fa4gen
-from fa4gen.api import BUILD_INFO_FILE, NO_COMPILE_ENV, _no_compile_default
+from fa4gen.api import BUILD_INFO_FILE, NO_COMPILE_ENV, _no_compile_default, build_training, training_spec
 from fa4gen.arch import Arch, UnsupportedArchError
 from fa4gen.cache import CacheEntry, CacheError, CacheMiss, CacheWarning, KernelCache, default_cache_root
 from fa4gen.compiler import LIBRARY_FILE, PTX_FILE, CompileError
-from fa4gen.planner import Plan, candidates, first_call_plan, plan_for_seqlen, seqlen_splits
+from fa4gen.planner import Plan, backward_plan, candidates, first_call_plan, plan_for_seqlen, seqlen_splits
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import SpecFileError, load_spec
 from fa4gen.toolchain import ToolchainError, toolchain
@@ -77,6 +77,10 @@ CacheDirOption = Annotated[
 ]
 SpecArgument = Annotated[Path, typer.Argument(help="Spec YAML file.", dir_okay=False, show_default=False)]
 ArchOption = Annotated[str, typer.Option("--arch", help="Target architecture, e.g. sm_90a.")]
+BackwardOption = Annotated[
+    bool,
+    typer.Option("--backward", help="The spec's backward (dQ, dK, dV), for the spec with its LSE: what training runs."),
+]
 SeqlenOption = Annotated[
     Optional[int],
     typer.Option(
@@ -255,13 +259,17 @@ def plan_command(
             "(the plan without options that only add code for speed), for each plan.",
         ),
     ] = False,
+    backward: BackwardOption = False,
 ) -> None:
     """Show the tile/pipeline schedule for a spec and the reason behind each choice (and the
     plans for the ranges of query lengths that run another one, where the planner has them)."""
     with _reporting_errors():
         spec = load_spec(spec_file)
-        kernel_plan = _chosen_plan(spec, arch, seqlen)
-        splits = () if seqlen is not None else seqlen_splits(spec, arch)
+        if backward:
+            kernel_plan, splits = backward_plan(training_spec(spec), arch), ()
+        else:
+            kernel_plan = _chosen_plan(spec, arch, seqlen)
+            splits = () if seqlen is not None else seqlen_splits(spec, arch)
         if first_call:  # (a plan without such options is its own first-call plan)
             kernel_plan = first_call_plan(kernel_plan) or kernel_plan
             splits = tuple(s.model_copy(update={"plan": first_call_plan(s.plan) or s.plan}) for s in splits)
@@ -336,11 +344,16 @@ def emit_command(
         Optional[Path], typer.Option("--output", "-o", help="Write the source here.", dir_okay=False)
     ] = None,
     seqlen: SeqlenOption = None,
+    backward: BackwardOption = False,
 ) -> None:
     """Print the generated CuTe-DSL source of a spec (or write it to a file)."""
     with _reporting_errors():
         spec = load_spec(spec_file)
-        source = fa4gen.emit(spec, _chosen_plan(spec, arch, seqlen)).source
+        if backward:
+            spec = training_spec(spec)
+            source = fa4gen.emit(spec, backward_plan(spec, arch)).source
+        else:
+            source = fa4gen.emit(spec, _chosen_plan(spec, arch, seqlen)).source
         if output is not None:
             output.write_text(source)
     if output is None:
@@ -547,9 +560,15 @@ def cache_import(
 
 # ----------------------------------------------------------------------------- warm
 def warm_one(
-    spec_file: str, arch: str, cache_dir: str, no_compile: bool = False, candidate: int | None = None
+    spec_file: str,
+    arch: str,
+    cache_dir: str,
+    no_compile: bool = False,
+    candidate: int | None = None,
+    training: bool = False,
 ) -> dict[str, Any] | None:
-    """Build one (spec file, arch) pair, or its tuning candidate number ``candidate``; runs in a
+    """Build one (spec file, arch) pair, or its tuning candidate number ``candidate``, or with
+    ``training`` what training runs (the forward with its LSE and the backward); runs in a
     worker process, so plain data in and out. With ``no_compile`` (the parent's quick pass) a
     cache miss returns None: compile it later."""
     started = time.perf_counter()
@@ -558,9 +577,14 @@ def warm_one(
         warnings.simplefilter("always", CacheWarning)
         try:
             spec = load_spec(spec_file)
-            kernel_plan = None if candidate is None else candidates(spec, arch)[candidate]
-            result = fa4gen.build(spec, arch, cache_dir=cache_dir, no_compile=no_compile, kernel_plan=kernel_plan)
-            row = {"status": "compiled" if result.any_built_now else "cached", "error": None}
+            if training:
+                forward, backward = build_training(spec, arch, cache_dir=cache_dir, no_compile=no_compile)
+                built = forward.any_built_now or backward.built_now
+            else:
+                kernel_plan = None if candidate is None else candidates(spec, arch)[candidate]
+                result = fa4gen.build(spec, arch, cache_dir=cache_dir, no_compile=no_compile, kernel_plan=kernel_plan)
+                built = result.any_built_now
+            row = {"status": "compiled" if built else "cached", "error": None}
         except CacheMiss:
             if no_compile:
                 return None
@@ -576,10 +600,12 @@ class WarmJob:
     spec_file: Path
     arch: str
     candidate: int | None = None  # index into planner.candidates(spec, arch); None: the default plan
+    training: bool = False  # the forward with its LSE and the backward (api.build_training)
 
     @property
     def label(self) -> str:
-        return str(self.spec_file) + ("" if self.candidate is None else f" [candidate {self.candidate}]")
+        suffix = "" if self.candidate is None else f" [candidate {self.candidate}]"
+        return str(self.spec_file) + suffix + (" [training]" if self.training else "")
 
 
 def _candidate_jobs(spec_file: Path, arch: str) -> list[WarmJob]:
@@ -619,7 +645,9 @@ def _run_jobs(jobs: list[WarmJob], cache_root: Path, workers: int) -> list[dict[
     context = multiprocessing.get_context("spawn")
     with _job_progress(len(jobs)) as finished, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: dict[Future, int] = {
-            pool.submit(warm_one, str(job.spec_file), job.arch, str(cache_root), False, job.candidate): index
+            pool.submit(
+                warm_one, str(job.spec_file), job.arch, str(cache_root), False, job.candidate, job.training
+            ): index
             for index, job in enumerate(jobs)
         }
         try:
@@ -708,6 +736,14 @@ def warm_command(
             "without the compiler can tune (FA4GEN_NO_COMPILE=1).",
         ),
     ] = False,
+    training: Annotated[
+        bool,
+        typer.Option(
+            "--training",
+            help="Also compile what training runs: each spec's forward with its LSE and its backward, "
+            "so training with FA4GEN_NO_COMPILE=1 finds every kernel.",
+        ),
+    ] = False,
     no_compile: Annotated[
         bool,
         typer.Option(
@@ -737,6 +773,8 @@ def warm_command(
         work = [job for spec_file in spec_files for target in arches for job in _candidate_jobs(spec_file, target)]
     else:
         work = [WarmJob(spec_file, target) for spec_file in spec_files for target in arches]
+    if training:
+        work += [WarmJob(spec_file, target, training=True) for spec_file in spec_files for target in arches]
     started = time.perf_counter()
     results = _warm_results(work, root, jobs, refuse=no_compile or _no_compile_default())
     _console().print(_warm_table(work, results))
@@ -752,7 +790,7 @@ def warm_command(
 def _warm_results(work: list[WarmJob], root: Path, jobs: int, refuse: bool) -> list[dict[str, Any]]:
     """One result per job: hits and invalid specs settled here (milliseconds each), misses compiled
     in worker processes, or with ``refuse`` reported as failed."""
-    results = [warm_one(str(job.spec_file), job.arch, str(root), True, job.candidate) for job in work]
+    results = [warm_one(str(job.spec_file), job.arch, str(root), True, job.candidate, job.training) for job in work]
     notes = [note for result in results if result is not None for note in result["warnings"]]
     for note in dict.fromkeys(notes):  # each cache warning once
         typer.echo(f"warning: {note}", err=True)

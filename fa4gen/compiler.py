@@ -34,29 +34,66 @@ class CompileError(RuntimeError):
     """A spec that validated did not compile: a bug in fa4gen, reported with the spec and plan."""
 
 
+def _fake_bshd(spec: AttentionSpec, dim: int):
+    """A (B, S, H, dim) tensor of the spec's dtype: symbolic sizes and strides, dim contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), dim)
+    stride = tuple(cute.sym_int64(divisibility=ELEMENT_ALIGN) for _ in range(3)) + (1,)
+    return make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def _fake_lse():
+    """A (B, H, S) fp32 tensor, rows contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    return make_fake_tensor(cutlass.Float32, shape, stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
+    """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
+    lse_log2, stream): the workspaces compact fp32 (planner.backward_workspace_shapes), their padded head
+    dim static."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def workspace(*static: int):
+        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), *static)
+        return make_fake_compact_tensor(
+            cutlass.Float32, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16
+        )
+
+    d, dv = spec.head_dim, spec.dv
+    tensors = [_fake_bshd(spec, dim) for dim in (d, d, dv, dv, dv)]
+    outputs = [_fake_bshd(spec, dim) for dim in (d, d, dv)]
+    accum = workspace(plan.config.head_dim_padded)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, workspace(), workspace(), stream]
+
+
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for (q, k, v, o, lse, work, flags, num_ctas, *extras, stream): symbolic B, S, H,
     CTA count and aux sizes; static head dims. The extras follow fa4gen.variants.lower (one place
-    for their order); the split tail's workspace, planner.split_workspace_shape."""
+    for their order); the split tail's workspace, planner.split_workspace_shape. A backward plan
+    takes the backward's (fake_backward_arguments)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[spec.dtype]
+    if plan.is_backward:
+        return fake_backward_arguments(spec, plan)
 
     def bshd(dim: int):
-        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), dim)
-        stride = tuple(cute.sym_int64(divisibility=ELEMENT_ALIGN) for _ in range(3)) + (1,)
-        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+        return _fake_bshd(spec, dim)
 
-    lse = None
-    if spec.return_lse:
-        lse = make_fake_tensor(
-            cutlass.Float32,
-            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-            stride=(cute.sym_int64(), cute.sym_int64(), 1),
-            assumed_align=4,
-        )
+    lse = _fake_lse() if spec.return_lse else None
     work = flags = None
     workspace = split_workspace_shape(plan, 1)
     if workspace is not None:

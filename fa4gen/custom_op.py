@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fa4gen.handles import live_object
 from fa4gen.handles import registered as _registered
 from fa4gen.spec import AttentionSpec
 
@@ -67,7 +68,8 @@ def forward(
     aux.update((n, _scalar(spec, n, value)) for n, value in zip(_names(scalar_names), scalar_values, strict=True))
     if aux:
         variant["aux"] = aux
-    result = registered.runner()(q, k, v, **variant)
+    with torch.no_grad():  # (the op's autograd formula is below: the kernel itself records nothing)
+        result = registered.runner()(q, k, v, **variant)
     if spec.return_lse:
         return result
     return result, q.new_empty((0,), dtype=torch.float32)
@@ -87,6 +89,51 @@ def _(q, k, v, kernel, *args):
         return out, q.new_empty((0,), dtype=torch.float32)
     rows = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     return out, q.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("fa4gen::backward", mutates_args=())
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the forward ``kernel`` (a handle) ran: its backward kernel
+    (fa4gen.backward.BackwardKernel)."""
+    registered = _registered(kernel)
+    if registered.backward is None:
+        raise ValueError(f"the kernel {kernel!r} was registered without a backward")
+    return registered.backward()(q, k, v, out, dout, lse, dlse)
+
+
+@backward.register_fake
+def _(q, k, v, out, dout, lse, dlse, kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, kernel = inputs[:4]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    # the gradients mirror the inputs: a list of Nones for each list argument, else None
+    ctx.kernel, ctx.lists = kernel, [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+
+
+def _forward_gradients(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    spec = _registered(ctx.kernel).spec
+    if not spec.return_lse:  # (fa4gen.compile's kernels run the spec with its LSE under autograd)
+        raise RuntimeError(f"the forward of {spec.summary()} ran without its LSE: it has no backward")
+    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, ctx.kernel)
+    rest = tuple(None if n is None else [None] * n for n in ctx.lists[3:])
+    return (dq, dk, dv, *rest)
+
+
+forward.register_autograd(_forward_gradients, setup_context=_save_for_backward)
 
 
 def _names(joined: str) -> list[str]:
@@ -151,6 +198,24 @@ def _results(spec: AttentionSpec, out, lse, given_out=None, given_lse=None):
         given_lse.copy_(lse)
         lse = given_lse
     return (out, lse) if spec.return_lse else out
+
+
+@torch._dynamo.assume_constant_result  # run while Dynamo traces; the graph keeps the name it returns
+def _training_handle(kernel_id: int) -> str:
+    """The handle of the forward-with-LSE kernel of the ``AttentionKernel`` whose id this is (made
+    on first use: ``fa4gen.backward.TrainingKernels``); by id, as ops._traced_handle."""
+    return live_object(kernel_id).training().forward_kernel.handle
+
+
+def call_with_grad(kernel, q, k, v):
+    """``AttentionKernel.__call__`` under autograd: the op on the kernel of the spec with its LSE,
+    whose autograd formula runs the backward; returns out (and lse if the spec returns it)."""
+    if torch.compiler.is_compiling():
+        handle = _training_handle(id(kernel))
+    else:
+        handle = kernel.training().forward_kernel.handle
+    out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(handle, {}))
+    return (out, lse) if kernel.spec.return_lse else out
 
 
 def call(handle: str, spec: AttentionSpec, q, k, v, *, out=None, lse=None, **variant):

@@ -25,6 +25,7 @@ from fa4gen.variants import lower
 # kernel class -> (its module and its config's module under fa4gen.kernels, template file)
 KERNEL_TEMPLATES = {
     "HopperAttentionForward": ("sm90.fwd", "sm90.config", "sm90_fwd.py.jinja"),
+    "HopperAttentionBackward": ("sm90.bwd", "sm90.bwd_config", "sm90_bwd.py.jinja"),
 }
 
 
@@ -118,6 +119,7 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         spec_yaml=dump_spec(spec.canonicalized()),
         kernel_module=kernel_module,
         config_module=config_module,
+        config_class=type(plan.config).__name__,
         softcap=spec.softcap,
         scale=spec.scale,
         score_code=None if lowered.score is None else render_cute(lowered.score, names),

@@ -18,17 +18,22 @@ from fa4gen.spec import AttentionSpec
 class Registered(NamedTuple):
     spec: AttentionSpec
     runner: Callable[[], Any]  # () -> the callable that runs it: kernel(q, k, v, **variant)
+    # () -> its backward (fa4gen.backward.BackwardKernel), for the op's autograd formula
+    backward: Callable[[], Any] | None = None
 
 
 _REGISTRY: dict[str, Registered] = {}
 _LOCK = threading.Lock()
 
 
-def register(handle: str, spec: AttentionSpec, runner: Callable[[], Any]) -> str:
-    """Name what ``runner()`` returns (a callable like ``AttentionKernel``) ``handle`` for the op;
-    the first registration of a handle stays (handles name what they run: all are the same)."""
+def register(
+    handle: str, spec: AttentionSpec, runner: Callable[[], Any], backward: Callable[[], Any] | None = None
+) -> str:
+    """Name what ``runner()`` returns (a callable like ``AttentionKernel``) ``handle`` for the op,
+    with ``backward()`` its backward kernel; the first registration of a handle stays (handles
+    name what they run: all are the same)."""
     with _LOCK:
-        _REGISTRY.setdefault(handle, Registered(spec, runner))
+        _REGISTRY.setdefault(handle, Registered(spec, runner, backward))
     return handle
 
 

@@ -12,9 +12,9 @@ import threading
 
 import torch
 
-from fa4gen.custom_op import call, check_keywords
+from fa4gen.custom_op import _op_arguments, call, check_keywords
 from fa4gen.handles import live_object, register
-from fa4gen.runtime import _traced
+from fa4gen.runtime import _records_grad, _traced
 from fa4gen.spec import AttentionSpec
 
 _COMPILED: dict[str, object] = {}  # spec handle -> its compiled kernel
@@ -33,8 +33,30 @@ def spec_handle(spec: AttentionSpec) -> str:
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.ops takes an AttentionSpec, got {type(spec).__name__}")
     handle = "spec-" + hashlib.sha256(spec.canonical_json().encode()).hexdigest()[:32]
-    _HANDLES[id(spec)] = (spec, register(handle, spec, lambda: _kernel(spec)))
+    _HANDLES[id(spec)] = (spec, register(handle, spec, lambda: _kernel(spec), backward=lambda: _backward(spec)))
     return handle
+
+
+def _backward(spec: AttentionSpec):
+    from fa4gen.api import compile_backward
+
+    return compile_backward(spec)
+
+
+_TRAINING: dict[int, tuple[AttentionSpec, AttentionSpec]] = {}  # id(spec) -> (spec, the spec with its LSE)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_training_handle(spec_id: int) -> str:
+    """``spec_handle`` of the LSE-returning spec training runs for the spec whose id this is
+    (as ``_traced_handle``)."""
+    from fa4gen.api import training_spec
+
+    spec = live_object(spec_id)
+    known = _TRAINING.get(spec_id)
+    if known is None or known[0] is not spec:
+        known = _TRAINING[spec_id] = (spec, training_spec(spec))
+    return spec_handle(known[1])
 
 
 @torch._dynamo.assume_constant_result  # run while Dynamo traces; the graph keeps the name it returns
@@ -68,6 +90,9 @@ def attention(spec: AttentionSpec, q, k, v, *, out=None, lse=None, **variant):
     call compiles the kernel; run eagerly it launches the kernel directly (no dispatcher in the
     way of a decode step). Same arguments and results as ``AttentionKernel.__call__``."""
     if torch.compiler.is_compiling():
+        if _records_grad(q, k, v) and not (out is not None or lse is not None or variant):
+            out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(_traced_training_handle(id(spec)), {}))
+            return (out, lse) if spec.return_lse else out
         return call(_traced_handle(id(spec)), spec, q, k, v, out=out, lse=lse, **variant)
     handle = spec_handle(spec)
     if _traced(q):

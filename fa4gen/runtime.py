@@ -112,6 +112,8 @@ class AttentionKernel:
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
         self.handle = op_handle(self)  # names this kernel to the torch custom op (fa4gen.custom_op)
+        # () -> fa4gen.backward.TrainingKernels: what autograd runs (set by fa4gen.compile)
+        self.training: Callable[[], Any] | None = None
 
     def __repr__(self) -> str:
         splits = "".join(f", {s.split.label} ({s.split.rows()})={s.kernel.key[:12]}" for s in self.splits)
@@ -179,12 +181,29 @@ class AttentionKernel:
         While torch.compile traces (or with fake / meta tensors) the call is the custom op
         ``torch.ops.fa4gen.forward`` (fa4gen.ops), which Dynamo and CUDA graphs treat as one
         opaque kernel; eager calls launch directly."""
+        if _records_grad(q, k, v):
+            return self._with_grad(q, k, v, out, lse, variant)
         if _traced(q):
             from fa4gen.custom_op import call
 
             return call(self.handle, self.spec, q, k, v, out=out, lse=lse, **variant)
         kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
         return kernel._launch(q, k, v, out=out, lse=lse, **variant)
+
+    def _with_grad(self, q, k, v, out, lse, variant):
+        """The call under autograd: the custom op on the forward with its LSE, whose autograd
+        formula runs the backward (fa4gen.custom_op)."""
+        from fa4gen.custom_op import call_with_grad
+        from fa4gen.planner import backward_problem
+
+        if problem := backward_problem(self.spec):
+            raise ValueError(f"autograd needs a backward, and this spec ({self.spec.summary()}) has none: {problem}")
+        given = sorted(name for name, value in (("out", out), ("lse", lse), *variant.items()) if value is not None)
+        if given:
+            raise ValueError(f"{', '.join(given)}: not supported while autograd records the call")
+        if self.training is None:
+            raise RuntimeError(f"{self!r} was not made by fa4gen.compile, which gives it its backward")
+        return call_with_grad(self, q, k, v)
 
     def _launch(
         self,
@@ -320,13 +339,20 @@ def _traced(q) -> bool:
     return isinstance(q, torch.Tensor) and (type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta)
 
 
+def _records_grad(q, k, v) -> bool:
+    """Whether autograd records this call (grad mode on and an input requiring a gradient)."""
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+
 def op_handle(kernel: AttentionKernel) -> str:
     """The custom op's name for ``kernel`` (fa4gen.handles), registered for the process: fixed by
     the kernels it runs (their cache keys), so a graph traced in one process names the same
     kernel in the next. Kernels built outside the cache (no key) get a name of their own."""
     keys = [kernel.key, *(split.kernel.key for split in kernel.splits)] if kernel.key else [f"object-{id(kernel)}"]
     handle = "kernel-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:32]
-    return register(handle, kernel.spec, lambda: kernel)
+    return register(handle, kernel.spec, lambda: kernel, backward=lambda: kernel.training().backward_kernel())
 
 
 class SplitKernel(NamedTuple):

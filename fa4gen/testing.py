@@ -132,12 +132,65 @@ def _reference(spec, q, k, v, upcast, args, independent):
     if spec.sinks:
         sink = args["sinks"].to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink], dim=-1)
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    probs, lse = _softmax_and_lse(scores)
     if spec.sinks:
         probs = probs[..., :-1]  # the sink takes probability but carries no value
     out = torch.matmul(probs, vh).transpose(1, 2)
     return out.contiguous(), lse
+
+
+def _softmax_and_lse(scores):
+    """softmax over the last dim and its log-sum-exp (float32), with rows that see no key giving
+    probabilities 0 and LSE -inf, and differentiable everywhere (no NaN in their gradients:
+    every division and log is guarded with the double-``where`` pattern)."""
+    import torch
+
+    largest = scores.amax(dim=-1, keepdim=True)
+    largest = torch.where(torch.isfinite(largest), largest, torch.zeros_like(largest)).detach()
+    exps = torch.exp(scores - largest)
+    total = exps.sum(dim=-1, keepdim=True)
+    seen = total > 0
+    probs = exps / torch.where(seen, total, torch.ones_like(total))
+    lse = torch.where(seen, torch.log(torch.where(seen, total, torch.ones_like(total))) + largest, -torch.inf)
+    return probs, lse.squeeze(-1).float()
+
+
+def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = True, dlse=None):
+    """(dq, dk, dv) of the reference by torch.autograd, in float32 (``upcast``) or in the inputs'
+    dtype, for the loss sum(out * dout) (+ sum(lse * dlse) where given and the LSE is finite)."""
+    import torch
+
+    dtype = torch.float32 if upcast else q.dtype
+    with torch.enable_grad():  # (also from inside a backward pass, where autograd turned it off)
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = reference(spec, *leaves, upcast=upcast)
+        loss = (out.float() * dout.float()).sum()
+        if dlse is not None:
+            finite = torch.isfinite(lse)
+            loss = loss + torch.where(finite, lse, torch.zeros_like(lse)).mul(dlse).sum()
+        loss.backward()
+    return tuple(leaf.grad.float() for leaf in leaves)
+
+
+def assert_gradients_close(spec: AttentionSpec, q, k, v, dout, grads, *, dlse=None, factor: float = 2.0) -> dict:
+    """Raise AssertionError naming the gradient if dq, dk or dv miss factor x PyTorch's own error
+    (autograd of the reference in the inputs' dtype against float32), plus a floor of 1e-4 of
+    the largest gradient; return the errors."""
+    import torch
+
+    exact = reference_gradients(spec, q, k, v, dout, dlse=dlse)
+    low = reference_gradients(spec, q, k, v, dout, upcast=False, dlse=dlse)
+    report = {}
+    # the floor scales with the largest gradient: a gradient that cancels to ~0 (dK with one key)
+    # is judged against the size of the terms it cancels, not against itself
+    scale = max((ref.abs().max().item() for ref in exact if ref.numel()), default=0.0)
+    for name, got, ref, own in zip(("dq", "dk", "dv"), grads, exact, low, strict=True):
+        assert not torch.isnan(got).any(), f"{name} has NaN (poisoned entries were not overwritten?)"
+        err = (got.float() - ref).abs().max().item() if ref.numel() else 0.0
+        bound = factor * ((own - ref).abs().max().item() if ref.numel() else 0.0) + 1e-4 * scale + 1e-6
+        report[name] = (err, bound)
+        assert err <= bound, f"{name} error {err:.3e} exceeds 2x PyTorch's own error bound {bound:.3e}"
+    return report
 
 
 def error_bound(spec: AttentionSpec, q, k, v, out_ref, *, factor: float = 2.0, floor: float = 1e-5, args=None) -> float:

@@ -82,6 +82,7 @@ HOST_ONLY_MODULES = frozenset(
         "api.py",
         "background.py",
         "background_child.py",
+        "backward.py",
         "bench.py",
         "blockmask.py",
         "cache.py",

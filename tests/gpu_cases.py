@@ -278,3 +278,25 @@ def keyless_cases() -> dict[str, tuple[AttentionSpec, object]]:
     spec = AttentionSpec(head_dim=256, causal=True)
     cases["d256-causal"] = (spec, fa4gen.plan(spec, "sm_90a"))
     return cases
+
+
+AUTOGRAD_CASES = ("d128-gqa4-causal", "d64-gqa1-dense", "d128-lse")  # backward_specs run through autograd
+BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
+
+
+def backward_specs() -> dict[str, AttentionSpec]:
+    """Every variant the backward runs: head dims, GQA, causal, windows, soft cap, fp16."""
+    cases = {}
+    for d in (64, 96, 128):
+        for ratio in (1, 4):
+            for causal in (False, True):
+                name = f"d{d}-gqa{ratio}-{'causal' if causal else 'dense'}"
+                cases[name] = AttentionSpec(head_dim=d, qhead_per_kvhead=ratio, causal=causal)
+    cases["d128-window100"] = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, window_left=100)
+    cases["d64-window-two-sided"] = AttentionSpec(head_dim=64, window_left=64, window_right=32)
+    cases["d128-softcap30-causal"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, softcap=30.0)
+    cases["d128-fp16-causal"] = AttentionSpec(head_dim=128, dtype="float16", causal=True)
+    cases["d128-dv64"] = AttentionSpec(head_dim=128, head_dim_v=64, qhead_per_kvhead=2)
+    cases["d80-scale"] = AttentionSpec(head_dim=80, softmax_scale=0.2, causal=True)
+    cases["d128-lse"] = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, return_lse=True)
+    return cases

@@ -6,8 +6,9 @@
 Each specs/<stem>.yaml becomes tests/golden/<stem>.<arch>.py holding exactly
 ``fa4gen.emit(spec, fa4gen.plan(spec, arch)).source``, and for each range of query lengths that
 the planner gives another plan (``planner.seqlen_splits``), tests/golden/<stem>.<label>.<arch>.py
-with that plan's source. Review the diff before committing: a golden change is a change of the
-generated kernel code.
+with that plan's source, and for a spec with a backward, tests/golden/<stem>.backward.<arch>.py
+(the backward's plan, for the spec with its LSE: what autograd builds). Review the diff before
+committing: a golden change is a change of the generated kernel code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 import fa4gen
-from fa4gen.planner import seqlen_splits
+from fa4gen.api import training_spec
+from fa4gen.planner import backward_plan, backward_problem, seqlen_splits
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS_DIR = ROOT / "specs"
@@ -29,9 +31,14 @@ def golden_path(stem: str, arch: str, label: str = "") -> Path:
     return GOLDEN_DIR / f"{stem}{'.' + label if label else ''}.{arch}.py"
 
 
-def golden_plans(spec: fa4gen.AttentionSpec, arch: str) -> dict[str, fa4gen.Plan]:
-    """The plans goldens render, by label: "" for the planner's, then one per length range."""
-    return {"": fa4gen.plan(spec, arch), **{split.label: split.plan for split in seqlen_splits(spec, arch)}}
+def golden_plans(spec: fa4gen.AttentionSpec, arch: str) -> dict[str, tuple[fa4gen.AttentionSpec, fa4gen.Plan]]:
+    """The (spec, plan) pairs goldens render, by label: "" for the planner's, then one per length
+    range, then "backward" where the spec has one."""
+    plans = {"": (spec, fa4gen.plan(spec, arch))}
+    plans.update({split.label: (spec, split.plan) for split in seqlen_splits(spec, arch)})
+    if not backward_problem(spec):
+        plans["backward"] = (training_spec(spec), backward_plan(training_spec(spec), arch))
+    return plans
 
 
 def expected_goldens() -> dict[Path, str]:
@@ -39,8 +46,8 @@ def expected_goldens() -> dict[Path, str]:
     for spec_path in sorted(SPECS_DIR.glob("*.yaml")):
         spec = fa4gen.load_spec(spec_path)
         for arch in ARCHES:
-            for label, kernel_plan in golden_plans(spec, arch).items():
-                wanted[golden_path(spec_path.stem, arch, label)] = fa4gen.emit(spec, kernel_plan).source
+            for label, (emitted_spec, kernel_plan) in golden_plans(spec, arch).items():
+                wanted[golden_path(spec_path.stem, arch, label)] = fa4gen.emit(emitted_spec, kernel_plan).source
     return wanted
 
 

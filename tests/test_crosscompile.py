@@ -39,7 +39,7 @@ FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
 
 @pytest.fixture(scope="module")
 def artifacts(warm_cache):
-    """Every built kernel: each spec's default plan, its plans for length ranges, and the
+    """Every built forward kernel: each spec's default plan, its plans for length ranges, and the
     first-call plans of FIRST_CALL_SPECS."""
     import fa4gen
     from fa4gen.planner import first_call_plan
@@ -51,6 +51,23 @@ def artifacts(warm_cache):
         quick = first_call_plan(results[name].plan)
         assert quick is not None, f"{name}'s plan has no first-call plan: pick another spec"
         found[f"{name}.first-call"] = fa4gen.build(results[name].spec, "sm_90a", cache_dir=root, kernel_plan=quick)
+    return found
+
+
+@pytest.fixture(scope="module")
+def every_artifact(artifacts, warm_cache):
+    """The forward kernels and the backward of every spec in specs/ that has one."""
+    import fa4gen
+    from fa4gen.api import training_spec
+    from fa4gen.planner import backward_plan, backward_problem
+
+    root, results = warm_cache
+    found = dict(artifacts)
+    for name, result in results.items():
+        if not backward_problem(result.spec):
+            spec = training_spec(result.spec)
+            found[f"{name}.backward"] = fa4gen.build(spec, "sm_90a", cache_dir=root, kernel_plan=backward_plan(spec))
+    assert any(name.endswith(".backward") for name in found), "no spec in specs/ has a backward"
     return found
 
 
@@ -69,17 +86,17 @@ def test_length_range_plans_are_built_beside_the_default(warm_cache):
     assert labels == {"short", "long"}, "a length range no spec in specs/ has would go uncompiled in CI"
 
 
-def test_every_spec_compiles_to_a_complete_entry(artifacts):
-    assert artifacts, "specs/ is empty"
-    for name, result in artifacts.items():
+def test_every_spec_compiles_to_a_complete_entry(every_artifact):
+    assert every_artifact, "specs/ is empty"
+    for name, result in every_artifact.items():
         files = {p.name for p in result.entry.path.iterdir()}
         assert {"kernel.so", "kernel.py", "kernel.ptx", "kernel.cubin", "plan.json", "spec.yaml"} <= files, name
         info = json.loads((result.entry.path / "build.json").read_text())
         assert info["compile_seconds"] > 0
 
 
-def test_ptx_uses_hopper_machinery(artifacts):
-    for name, result in artifacts.items():
+def test_ptx_uses_hopper_machinery(every_artifact):
+    for name, result in every_artifact.items():
         ptx = (result.entry.path / "kernel.ptx").read_text()
         assert ".target sm_90a" in ptx, name
         assert "wgmma.mma_async" in ptx, f"{name}: no warpgroup MMA"
@@ -154,11 +171,11 @@ def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(art
     assert kinds == {True, False}
 
 
-def test_sass_has_hgmma_and_no_spills(artifacts):
+def test_sass_has_hgmma_and_no_spills(every_artifact):
     tool = _nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    for name, result in artifacts.items():
+    for name, result in every_artifact.items():
         sass = subprocess.run(
             [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
         ).stdout
@@ -249,9 +266,9 @@ def test_stale_max_steps_exponentiate_without_a_row_max(artifacts):
     assert kinds == {True, False}
 
 
-def test_artifacts_hold_no_paths(artifacts, warm_cache):
+def test_artifacts_hold_no_paths(every_artifact, warm_cache):
     root, _ = warm_cache
-    for name, result in artifacts.items():
+    for name, result in every_artifact.items():
         blob = (result.entry.path / "kernel.so").read_bytes()
         assert str(root).encode() not in blob, f"{name}: cache path baked into the shared object"
         assert b"/site-packages/" not in blob, f"{name}: install path baked into the shared object"

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 import fa4gen
+from fa4gen.api import training_spec
 from fa4gen.emitter import emit
 from fa4gen.expr import render_cute
 from fa4gen.kernels.sm90.config import Sm90FwdConfig
-from fa4gen.planner import plan, seqlen_splits
+from fa4gen.planner import backward_plan, backward_problem, plan, seqlen_splits
 from fa4gen.spec import AttentionSpec
 from fa4gen.specfile import dump_spec, load_spec
 from fa4gen.variants import lower
@@ -32,6 +33,7 @@ SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
 SPEC_IDS = [p.stem for p in SPEC_FILES]
 # (spec file, label) of every length range the planner gives another plan
 SPLIT_GOLDENS = [(p, s.label) for p in SPEC_FILES for s in seqlen_splits(load_spec(p), "sm_90a")]
+BACKWARD_GOLDENS = [p for p in SPEC_FILES if not backward_problem(load_spec(p))]
 ARCH = "sm_90a"
 DIFF_LINES = 40
 LOG2E = math.log2(math.e)
@@ -99,8 +101,18 @@ def test_length_range_plans_match_golden(spec_path, label):
     assert actual == expected, _golden_mismatch_message(golden, expected, actual)
 
 
+@pytest.mark.parametrize("spec_path", BACKWARD_GOLDENS, ids=[p.stem for p in BACKWARD_GOLDENS])
+def test_backward_matches_golden(spec_path):
+    golden = GOLDEN_DIR / f"{spec_path.stem}.backward.{ARCH}.py"
+    assert golden.exists(), f"no golden {golden.name}: run `python tests/regen_golden.py`"
+    spec = training_spec(load_spec(spec_path))
+    actual = emit(spec, backward_plan(spec, ARCH)).source
+    assert actual == golden.read_text(), _golden_mismatch_message(golden, golden.read_text(), actual)
+
+
 def test_no_stale_goldens():
     stems = {p.stem for p in SPEC_FILES} | {f"{p.stem}.{label}" for p, label in SPLIT_GOLDENS}
+    stems |= {f"{p.stem}.backward" for p in BACKWARD_GOLDENS}
     stale = [g.name for g in GOLDEN_DIR.glob("*.py") if g.name.removesuffix(f".{ARCH}.py") not in stems]
     assert not stale, f"goldens without a spec file: {stale}; run `python tests/regen_golden.py`"
 
@@ -122,6 +134,7 @@ def test_regen_golden_check_is_clean():
     regen = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(regen)
     split_goldens = {GOLDEN_DIR / f"{p.stem}.{label}.{ARCH}.py" for p, label in SPLIT_GOLDENS}
+    split_goldens |= {GOLDEN_DIR / f"{p.stem}.backward.{ARCH}.py" for p in BACKWARD_GOLDENS}
     assert regen.expected_goldens().keys() == {GOLDEN_DIR / f"{s}.{ARCH}.py" for s in SPEC_IDS} | split_goldens
     assert regen.main(["--check"]) == 0
 

@@ -1076,3 +1076,68 @@ def test_the_gpu_tests_plan_premises_hold():
         c = plan_for_seqlen(specs[name], "sm_90a", length).config
         assert c.split_tail and -(-keys // c.tile_n) >= c.split_tail_min_key_tiles, name
     assert all(p.config.o_staging == "over_v" for _, p in keyless_cases().values())
+
+
+# --------------------------------------------------------------------------- the backward
+def test_backward_plans_every_supported_head_dim_and_mask():
+    from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
+    from fa4gen.planner import backward_plan
+
+    for d in range(8, 129, 8):
+        for mask in ({}, {"causal": True}, {"window_left": 100, "window_right": 7}, {"causal": True, "softcap": 30.0}):
+            p = backward_plan(AttentionSpec(head_dim=d, qhead_per_kvhead=4, **mask))
+            assert p.kernel == "HopperAttentionBackward" and p.is_backward
+            assert bwd_config_problem(p.config) == ""
+            assert p.config.tile_n == 128 and p.config.head_dim_padded % 16 == 0
+            assert all(p.reasons.get(name) for name in type(p.config).model_fields), p.reasons
+            assert Plan.model_validate_json(p.model_dump_json()) == p
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ({"head_dim": 192, "head_dim_v": 128}, "head_dim=192"),
+        ({"head_dim": 256}, "head_dim=256"),
+        ({"mask": {"kind": "chunked", "size": 128}}, "mask.kind=chunked"),
+        ({"causal": True, "mask": {"kind": "document"}}, "mask.kind=document"),
+        ({"score_mod": {"kind": "alibi"}}, "score_mod.kind=alibi"),
+        ({"sinks": True}, "sinks=true"),
+    ],
+)
+def test_backward_refuses_a_variant_it_has_no_kernel_for(fields, named):
+    from fa4gen.planner import backward_plan, backward_problem
+
+    spec = AttentionSpec(**{"head_dim": 128, **fields})
+    assert named in backward_problem(spec)
+    with pytest.raises(ValueError, match=named) as error:
+        backward_plan(spec)
+    assert "\n" not in str(error.value)
+
+
+def test_backward_config_check_names_what_is_wrong():
+    from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
+    from fa4gen.planner import backward_plan
+
+    good = backward_plan(AttentionSpec(head_dim=128, causal=True)).config
+    cases = {
+        "dq_split m needs tile_m = 128": {"dq_split": "m"},
+        "shared memory": {"tile_m": 128, "dq_split": "m", "head_dim_v": 256, "head_dim_v_padded": 256},
+        "pool": {"consumer_regs": 256},
+        "accumulators take": {"head_dim": 192, "head_dim_padded": 192},
+        "2 consumer warpgroups": {"num_consumer_warpgroups": 3},
+        "not a positive multiple of 16": {"tile_m": 72},
+    }
+    for needle, update in cases.items():
+        problem = bwd_config_problem(good.model_copy(update=update))
+        assert needle in problem, (update, problem)
+    d64 = {"tile_m": 128, "dq_split": "m", "head_dim": 64, "head_dim_padded": 64, "head_dim_v": 64}
+    assert bwd_config_problem(good.model_copy(update={**d64, "head_dim_v_padded": 64})) == ""
+
+
+def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
+    from fa4gen.planner import backward_plan, backward_workspace_shapes, first_call_plan, split_workspace_shape
+
+    p = backward_plan(AttentionSpec(head_dim=96, causal=True))
+    assert first_call_plan(p) is None and split_workspace_shape(p, 132) is None
+    shapes = backward_workspace_shapes(p, 3, 8, 1000)
+    assert shapes == {"dq_accum": (3, 8, 1024, 96), "dpsum": (3, 8, 1024), "lse_log2": (3, 8, 1024)}

@@ -12,6 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_cases import (
+    AUTOGRAD_CASES,
+    backward_specs,
     example_specs,
     first_call_cases,
     gpu_specs,
@@ -66,7 +68,28 @@ def main(cache_dir: str) -> None:
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir, kernel_plan=plan)
         state = "compiled" if result.any_built_now else "cached"
         print(f"{name:28} {state:8} {time.perf_counter() - started:6.2f} s  {result.key[:12]}", flush=True)
+    warm_backward(cache_dir)
+
+
+def warm_backward(cache_dir: str) -> None:
+    """The backward tests' kernels: each spec's training forward (with its LSE) and backward, and
+    the plain forward of the specs the tests run through autograd."""
+    from fa4gen.api import training_spec
+    from fa4gen.planner import backward_plan
+
+    for name, spec in backward_specs().items():
+        started = time.perf_counter()
+        with_lse = training_spec(spec)
+        forward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir)
+        backward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir, kernel_plan=backward_plan(with_lse))
+        if name in AUTOGRAD_CASES:
+            fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
+        state = "compiled" if forward.any_built_now or backward.built_now else "cached"
+        print(f"backward/{name:19} {state:8} {time.perf_counter() - started:6.2f} s  {backward.key[:12]}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".devcache/kernels")
+    if "--backward" in sys.argv:
+        warm_backward(next((a for a in sys.argv[1:] if not a.startswith("--")), ".devcache/kernels"))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else ".devcache/kernels")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from fa4gen.arch import Arch, require_supported
 from fa4gen.planner.candidates import candidates
-from fa4gen.planner.model import Plan, SeqlenSplit, plan_problem, split_workspace_shape
+from fa4gen.planner.model import Plan, SeqlenSplit, backward_workspace_shapes, plan_problem, split_workspace_shape
 from fa4gen.planner.sm90 import first_call_sm90, plan_sm90, splits_sm90
+from fa4gen.planner.sm90_bwd import backward_problem, plan_bwd_sm90
 from fa4gen.spec import AttentionSpec
 
 _PLANNERS = {Arch.SM90A: plan_sm90}
 _SPLIT_PLANNERS = {Arch.SM90A: splits_sm90}
 _FIRST_CALL_PLANNERS = {Arch.SM90A: first_call_sm90}
+_BACKWARD_PLANNERS = {Arch.SM90A: plan_bwd_sm90}
 
 
 def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
@@ -36,6 +38,12 @@ def first_call_plan(p: Plan) -> Plan | None:
     return _FIRST_CALL_PLANNERS[require_supported(p.arch)](p)
 
 
+def backward_plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
+    """The schedule of ``spec``'s backward (dQ, dK, dV) on ``arch``; ValueError naming the spec
+    field where it has none (``backward_problem``)."""
+    return _BACKWARD_PLANNERS[require_supported(arch)](spec)
+
+
 def plan_for_seqlen(spec: AttentionSpec, arch: Arch | str, seqlen_q: int) -> Plan:
     """The plan a launch whose longest query sequence has ``seqlen_q`` rows runs."""
     return next((s.plan for s in seqlen_splits(spec, arch) if s.covers(seqlen_q)), plan(spec, arch))
@@ -43,6 +51,9 @@ def plan_for_seqlen(spec: AttentionSpec, arch: Arch | str, seqlen_q: int) -> Pla
 
 __all__ = [
     "Plan",
+    "backward_plan",
+    "backward_problem",
+    "backward_workspace_shapes",
     "SeqlenSplit",
     "candidates",
     "first_call_plan",

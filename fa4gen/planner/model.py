@@ -12,6 +12,7 @@ import json
 from pydantic import BaseModel, ConfigDict
 
 from fa4gen.arch import WARPGROUP_THREADS
+from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem, bwd_smem_bytes
 from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, config_smem_bytes, split_partial_words
 
 
@@ -22,12 +23,18 @@ class Plan(BaseModel):
 
     arch: str
     kernel: str  # kernel class that runs this plan
-    config: Sm90FwdConfig
+    config: Sm90FwdConfig | Sm90BwdConfig  # the forward's, or the backward's (kernel HopperAttentionBackward)
     reasons: dict[str, str]  # config field -> why (fields the spec fixes have none)
 
     @property
     def smem_bytes(self) -> int:
+        if isinstance(self.config, Sm90BwdConfig):
+            return bwd_smem_bytes(self.config)
         return config_smem_bytes(self.config)
+
+    @property
+    def is_backward(self) -> bool:
+        return isinstance(self.config, Sm90BwdConfig)
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
@@ -79,6 +86,8 @@ class SeqlenSplit(BaseModel):
 
 def plan_problem(p: Plan) -> str:
     """Why the GPU cannot run ``p`` ("" when it can): the kernel family's one check."""
+    if isinstance(p.config, Sm90BwdConfig):
+        return bwd_config_problem(p.config)
     return config_problem(p.config)
 
 
@@ -87,6 +96,19 @@ def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] |
     (split_partial_words), thread fastest; its int32 flags are the first two modes. None
     without a split tail."""
     c = p.config
-    if not c.split_tail:
+    if p.is_backward or not c.split_tail:
         return None
     return num_ctas, c.num_consumer_warpgroups, split_partial_words(c.head_dim_v_padded), WARPGROUP_THREADS
+
+
+def backward_workspace_shapes(p: Plan, batch: int, heads: int, seqlen_q: int) -> dict[str, tuple[int, ...]]:
+    """The backward's fp32 workspaces (fa4gen.kernels.sm90.bwd): dQ's accumulator and the rows'
+    dPsum and LSE in log2 units, over whole query tiles."""
+    c = p.config
+    assert isinstance(c, Sm90BwdConfig), "a backward plan"
+    rows = -(-max(seqlen_q, 1) // c.tile_m) * c.tile_m
+    return {
+        "dq_accum": (batch, heads, rows, c.head_dim_padded),
+        "dpsum": (batch, heads, rows),
+        "lse_log2": (batch, heads, rows),
+    }

@@ -292,7 +292,9 @@ FIRST_CALL_OFF = {
 
 def first_call_sm90(p: Plan) -> Plan | None:
     """What a first call runs while ``p`` builds in the background: ``p`` without the options that
-    only add code for speed; None where ``p`` has none of them."""
+    only add code for speed; None where ``p`` has none of them (a backward has none)."""
+    if p.is_backward:
+        return None
     update = {name: False for name in FIRST_CALL_OFF if getattr(p.config, name)}
     if not update:
         return None

@@ -203,3 +203,26 @@ SM90_WIDE_WINDOW_SPLIT = (40, 232)
 SM90_PRESSURE_MAX_TILE_N_D256 = 64
 # the widest head dim whose kernels trace the first key tile a second time (decision interior-first-tile)
 INTERIOR_FIRST_TILE_MAX_D = 192
+
+
+@dataclass(frozen=True)
+class BwdTileRow:
+    """The backward's schedule for a head-dim bucket (fa4gen.kernels.sm90.bwd_config)."""
+
+    max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
+    tile_m: int
+    dq_split: Literal["m", "n"]
+    q_stages: int
+    reason: str
+
+
+# 128 keys per CTA (64 per consumer warpgroup), dK and dV in registers: the accumulator budget
+# (bwd_config.bwd_accumulator_registers) caps the head dims at 128 until dK/dV split by columns.
+# 128 query rows at d64 (FA3's tile) spilled 95 registers: the LSE and dPsum of 32 columns per
+# thread ride beside S^T and dP^T (decision bwd-tiles).
+SM90_BWD_TILES = (
+    BwdTileRow(
+        128, 64, "n", 2, "64 query rows per step, dQ split by head dim; Q/dO double-buffered (decision bwd-tiles)"
+    ),
+)
+SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split

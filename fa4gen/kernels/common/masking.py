@@ -232,8 +232,48 @@ class KeyTileRange:
         first_col = col_base + coords_mn[0, 0][1]  # this thread's first column
         offsets = column_offsets(coords_mn, scores_mn[0, None].shape)
         for r in cutlass.range_constexpr(cute.size(scores_mn, mode=[0])):
-            visible = offsets < ends[r] - first_col
-            if cutlass.const_expr(check_start):
-                visible = visible & (offsets >= starts[r] - first_col)
+            visible = visible_columns(offsets, first_col, starts[r], ends[r], check_start)
             row = scores_mn[r, None]
             row.store(cute.where(visible, row.load(), -cutlass.Float32.inf))
+
+    @cute.jit
+    def key_query_range(self, key: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[lo, hi) of the query rows that see key ``key`` (the backward's view of the mask, one
+        key per accumulator row): the row_range intervals read the other way. Only for masks
+        given by a formula of the sizes (causal, windows)."""
+        assert not (self.chunk is not None or self.prefix or self.document), "a formula mask only"
+        shift = seqlen_k - seqlen_q  # a row's key position is row + shift
+        lo, hi = Int32(0), seqlen_q
+        if cutlass.const_expr(self.right is not None):
+            lo = cutlass.max(lo, key - shift - self.right)
+        if cutlass.const_expr(self.left is not None):
+            hi = cutlass.min(hi, key - shift + self.left + 1)
+        lo = cutlass.min(lo, seqlen_q)
+        if key >= seqlen_k:
+            hi = lo
+        return lo, cutlass.max(hi, lo)  # both never decrease with the key (below Sk)
+
+    @cute.jit
+    def query_tiles_of_keys(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[m_min, m_max) of the query tiles that see some key of key tile ``n_block`` (empty
+        past Sk): the first key's lowest row and the last key's highest, both never decreasing."""
+        first_key = n_block * self.tile_n
+        last_key = cutlass.min(first_key + self.tile_n, seqlen_k) - 1
+        lo, _ = self.key_query_range(first_key, seqlen_q, seqlen_k)
+        _, hi = self.key_query_range(last_key, seqlen_q, seqlen_k)
+        m_min = lo // self.tile_m
+        m_max = cute.ceil_div(hi, self.tile_m)
+        if first_key >= seqlen_k or hi <= lo:
+            m_max = m_min
+        return m_min, m_max
+
+
+@cute.jit
+def visible_columns(offsets: cute.TensorSSA, first_col: Int32, start: Int32, end: Int32, check_start: bool):
+    """Which of a row's columns (``offsets`` from the thread's first column ``first_col``) lie in
+    [start, end), as one vector compare (``check_start``: False where start lies at or below
+    every column)."""
+    visible = offsets < end - first_col
+    if cutlass.const_expr(check_start):
+        visible = visible & (offsets >= start - first_col)
+    return visible

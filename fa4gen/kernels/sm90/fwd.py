@@ -46,7 +46,7 @@ from fa4gen.kernels.sm90.chain import Sm90TileChain
 from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, split_partial_words
 from fa4gen.kernels.sm90.epilogue import Sm90Epilogue
 from fa4gen.kernels.sm90.mainloop import Sm90MainLoop
-from fa4gen.kernels.sm90.producer import Sm90Producer
+from fa4gen.kernels.sm90.producer import Sm90Producer, tma_pipeline
 from fa4gen.kernels.sm90.split import Sm90SplitTail
 from fa4gen.kernels.sm90.state import LaunchSizes, MainLoopState, TileInfo
 
@@ -268,17 +268,6 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
             mma.set(warpgroup.Field.ACCUMULATE, accumulate)
         return mma
 
-    def _make_pipeline(self, barriers, stages: int, tx_bytes: int, warpgroups: int):
-        """A TMA pipeline whose stages ``warpgroups`` consumer warpgroups release (a warp's lane 0 each)."""
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers,
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * warpgroups),
-            tx_count=tx_bytes,
-            defer_sync=True,
-        )
-
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
@@ -313,11 +302,9 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         sTiles = storage.tiles.get_tensor(cute.make_layout((len(self.tile_fields), self.q_slots)))
         q_users = 1 if self.cfg.q_per_warpgroup else self.num_consumers  # warpgroups per Q slot
         pipes = (
-            self._make_pipeline(
-                storage.bar_q.data_ptr(), self.q_slots, self.q_bytes * q_users // self.num_consumers, q_users
-            ),
-            self._make_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.num_consumers),
-            self._make_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, self.num_consumers),
+            tma_pipeline(storage.bar_q.data_ptr(), self.q_slots, self.q_bytes * q_users // self.num_consumers, q_users),
+            tma_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.num_consumers),
+            tma_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, self.num_consumers),
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()

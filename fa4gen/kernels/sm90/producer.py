@@ -20,6 +20,18 @@ from fa4gen.arch import WGMMA_M
 from fa4gen.kernels.sm90.state import TileInfo
 
 
+def tma_pipeline(barriers, stages: int, tx_bytes: int, warpgroups: int):
+    """A TMA pipeline whose stages ``warpgroups`` consumer warpgroups release (a warp's lane 0 each)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * warpgroups),
+        tx_count=tx_bytes,
+        defer_sync=True,
+    )
+
+
 class Sm90Producer:
     """TMA loads of Q, K and V for the tiles the scheduler gives this CTA (one warp)."""
 

@@ -1,0 +1,95 @@
+"""Training: the backward kernel's callable and the autograd function around a compiled forward.
+
+``BackwardKernel`` runs one compiled backward (fa4gen.kernels.sm90.bwd): ``dq, dk, dv =
+kernel(q, k, v, out, dout, lse)``. ``TrainingKernels`` are what a call that autograd records runs
+(``AttentionKernel.__call__`` through the custom op, whose autograd formula is in
+fa4gen.custom_op): the forward of the spec with its LSE (the only tensor saved beside the inputs
+and the output), and in the backward the spec's backward kernel, both from the same cache as
+every other kernel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fa4gen.planner import Plan, backward_workspace_shapes
+from fa4gen.runtime import _check_output, _check_tensor, validate_inputs
+from fa4gen.spec import AttentionSpec
+
+
+class BackwardKernel:
+    """A compiled backward: ``dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse=None)``.
+
+    q, k, v, out are the forward's (see ``AttentionKernel``), dout the gradient of out (any
+    strides: it is made contiguous where it has to be), lse the forward's (B, Hq, Sq) float32
+    log-sum-exp and dlse its gradient, if the LSE was used. Returns dq, dk, dv of q's, k's and
+    v's shapes and dtype (written into ``dq`` / ``dk`` / ``dv`` where given); dk and dv are
+    reduced over each KV head's query heads (GQA)."""
+
+    def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
+        self.spec, self.plan, self.key, self.path = spec, plan, key, path
+        self._function = function
+
+    def __repr__(self) -> str:
+        return f"BackwardKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
+
+    def __call__(self, q, k, v, out, dout, lse, dlse=None, *, dq=None, dk=None, dv=None):
+        import torch
+
+        batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
+        o_shape, lse_shape = (batch, seqlen_q, heads_q, self.spec.dv), (batch, heads_q, seqlen_q)
+        _check_output("out", out, o_shape, q.dtype, q.device)
+        if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != o_shape or dout.dtype != q.dtype:
+            raise ValueError(f"dout must be a tensor of shape {o_shape} and dtype {q.dtype}, got {_described(dout)}")
+        dout = _contiguous_rows(dout)
+        _check_tensor("dout", dout, self.spec, self.spec.dv)
+        _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        if dlse is None:
+            dlse = torch.zeros(lse_shape, dtype=torch.float32, device=q.device)
+        elif not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != lse_shape or dlse.device != q.device:
+            raise ValueError(f"dlse must be a tensor of shape {lse_shape} on {q.device}, got {_described(dlse)}")
+        dlse = dlse.float()  # (autograd hands it in any strides, e.g. expanded from a sum)
+        grads = []
+        for name, given, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if given is None:
+                given = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            else:
+                _check_output(name, given, tuple(t.shape), t.dtype, t.device)
+            grads.append(given)
+        dq, dk, dv = grads
+        if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
+            return dq, dk.zero_(), dv.zero_()
+        shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
+        work = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+        lse, dlse = lse.contiguous(), dlse.contiguous()
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, work["dq_accum"], work["dpsum"], work["lse_log2"])
+        return dq, dk, dv
+
+
+def _described(t: Any) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if hasattr(t, "shape") else type(t).__name__
+
+
+def _contiguous_rows(t):
+    """``t`` where TMA can read it (last dim contiguous, 16-byte strides), else a contiguous copy:
+    autograd hands gradients in whatever strides the next op produced."""
+    elems = 16 // t.element_size()
+    aligned = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1])
+    return t if aligned else t.contiguous()
+
+
+class TrainingKernels:
+    """The kernels autograd runs for one spec: its forward with the LSE and its backward (the
+    latter compiled, or found in the cache, on the first backward)."""
+
+    def __init__(self, spec: AttentionSpec, forward_kernel, backward_loader):
+        self.returns_lse = spec.return_lse
+        self.forward_kernel = forward_kernel  # AttentionKernel of the spec with return_lse
+        self._backward_loader = backward_loader
+        self._backward: BackwardKernel | None = None
+
+    def backward_kernel(self) -> BackwardKernel:
+        if self._backward is None:
+            self._backward = self._backward_loader()
+        return self._backward

@@ -1,0 +1,114 @@
+"""The Hopper backward kernels' configuration: every compile-time constant they read, and the one
+check of whether a configuration can run (``bwd_config_problem``: the planner asserts its plans
+pass it, ``fa4gen.build`` refuses a hand-made plan that fails it, the kernel's constructor checks
+it again). Imports no CuTe DSL, so planning stays cheap.
+
+One backward is three launches (fa4gen.kernels.sm90.bwd): the preprocess (rowsum(dO * O), the
+LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (one CTA per key tile and KV
+head: dK and dV in registers over the group's query heads and query tiles, dQ added to the fp32
+accumulator), and the postprocess (dQ scaled and rounded).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M, Arch
+from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, register_pool
+
+DqSplit = Literal["m", "n"]
+# registers a consumer thread needs besides its accumulators (addresses, loop state, the LSE
+# and dPsum of its columns): FA3's budget for 240-register consumers is 216 for accumulators
+ACCUMULATOR_HEADROOM = 24
+
+
+class Sm90BwdConfig(BaseModel):
+    """Compile-time constants of one Hopper backward (see fa4gen.kernels.sm90.bwd)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the variant (from the spec)
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int
+    softmax_scale: float  # dQ and dK are scaled by it (dS is the gradient of the scaled score)
+    scale_log2: float  # multiplier of raw scores before exp2 (softmax_scale * log2(e))
+    softcap: float | None  # scores were soft-capped: dS carries tanh's derivative
+    window_left: int | None  # keys before a query's position it sees (None: all)
+    window_right: int | None  # keys after it (0: causal; None: all)
+    # the schedule (from the planner)
+    head_dim_padded: int
+    head_dim_v_padded: int
+    num_consumer_warpgroups: int  # each owns 64 keys of the CTA's key tile
+    tile_m: int  # query rows per step
+    q_stages: int  # Q (and dO) buffers: the next step's load while this one computes
+    producer_regs: int
+    consumer_regs: int
+    dq_split: DqSplit  # dQ = dS.K split over the warpgroups by query rows (m) or head dim (n)
+
+    @property
+    def tile_n(self) -> int:
+        return WGMMA_M * self.num_consumer_warpgroups
+
+
+def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
+    """K and V (one tile each), Q and dO (q_stages each), dS (one tile)."""
+    k_v = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
+    q_do = c.q_stages * c.tile_m * (c.head_dim_padded + c.head_dim_v_padded)
+    ds = c.tile_m * c.tile_n
+    return (k_v + q_do + ds) * ELEMENT_BYTES + SMEM_RESERVE_BYTES
+
+
+def bwd_accumulator_registers(c: Sm90BwdConfig) -> int:
+    """fp32 registers per consumer thread at the peak: dK and dV (its 64 keys x head dims), with
+    either S and dP (64 keys x tile_m) or dQ (its share of tile_m x head_dim) beside them."""
+    dk_dv = WGMMA_M * (c.head_dim_padded + c.head_dim_v_padded) // WARPGROUP_THREADS
+    s_dp = 2 * WGMMA_M * c.tile_m // WARPGROUP_THREADS
+    dq = c.tile_m * c.head_dim_padded // (WARPGROUP_THREADS * c.num_consumer_warpgroups)
+    return dk_dv + max(s_dp, dq)
+
+
+def dq_split_problem(c: Sm90BwdConfig) -> str:
+    """Whether dQ's MMA can split as ``dq_split`` says ("" when it can)."""
+    w = c.num_consumer_warpgroups
+    if c.dq_split == "m":
+        if c.tile_m != WGMMA_M * w:
+            return f"dq_split m needs tile_m = {WGMMA_M * w} (64 query rows per warpgroup)"
+        return ""
+    if c.tile_m != WGMMA_M:
+        return "dq_split n needs tile_m = 64"
+    if c.head_dim_padded % (8 * w):
+        return f"dq_split n needs head_dim_padded divisible by {8 * w}"
+    return ""
+
+
+def bwd_config_problem(c: Sm90BwdConfig) -> str:
+    """Why the GPU cannot run ``c`` ("" when it can)."""
+    for name in ("head_dim_padded", "head_dim_v_padded", "tile_m"):
+        if getattr(c, name) <= 0 or getattr(c, name) % MMA_K_GRANULE:
+            return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
+    if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
+        return "the padded head dims must hold the head dims"
+    if c.num_consumer_warpgroups != 2 or c.q_stages not in (1, 2):
+        return "the backward runs 2 consumer warpgroups and 1 or 2 Q stages"
+    if c.tile_m > 256 or c.tile_m % 8:
+        return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
+    if problem := dq_split_problem(c):
+        return problem
+    limit = Arch.SM90A.caps.smem_bytes_per_cta
+    if bwd_smem_bytes(c) > limit:
+        return f"its buffers take {bwd_smem_bytes(c)} bytes of shared memory, over the {limit} available"
+    registers = WARPGROUP_THREADS * (c.producer_regs + c.num_consumer_warpgroups * c.consumer_regs)
+    pool = register_pool(c.num_consumer_warpgroups)
+    if registers > pool:
+        return f"producer_regs {c.producer_regs} + 2 x consumer_regs {c.consumer_regs} exceed the CTA's pool of {pool}"
+    accumulators = bwd_accumulator_registers(c)
+    if accumulators > c.consumer_regs - ACCUMULATOR_HEADROOM:
+        return (
+            f"its accumulators take {accumulators} registers per thread, over the "
+            f"{c.consumer_regs - ACCUMULATOR_HEADROOM} a {c.consumer_regs}-register consumer has for them "
+            "(head dims past 128 need the dK/dV split over warpgroups, not written yet)"
+        )
+    return ""

@@ -1,0 +1,81 @@
+"""The sm_90a backward planner: spec -> Sm90BwdConfig, with a reason per choice.
+
+The tiles come from sm90_tables.SM90_BWD_TILES; every plan passes the backward's one check
+(bwd_config_problem), asserted on the way out. ``backward_problem`` says, in one line naming the
+spec field, which variants have no backward kernel yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fa4gen.arch import MMA_K_GRANULE
+from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
+from fa4gen.planner.model import Plan
+from fa4gen.planner.sm90_tables import SM90_BWD_REGISTER_SPLIT, SM90_BWD_TILES
+from fa4gen.spec import AttentionSpec
+
+KERNEL = "HopperAttentionBackward"
+LOG2E = math.log2(math.e)
+
+
+def _round_up(value: int, granule: int) -> int:
+    return (value + granule - 1) // granule * granule
+
+
+def backward_problem(spec: AttentionSpec) -> str:
+    """Why ``spec`` has no backward kernel on sm_90a ("" when it has one)."""
+    if spec.mask is not None:
+        return f"mask.kind={spec.mask.kind}: the backward supports causal and window masks so far"
+    if spec.score_mod is not None:
+        return f"score_mod.kind={spec.score_mod.kind}: the backward has no score modifiers yet (softcap it has)"
+    if spec.sinks:
+        return "sinks=true: the backward has no sink gradients yet"
+    width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
+    if width > SM90_BWD_TILES[-1].max_head_dim:
+        return f"head_dim={spec.head_dim}, head_dim_v={spec.dv}: the backward supports head dims up to 128 so far"
+    return ""
+
+
+def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
+    """The backward's plan for ``spec`` (ValueError naming the field where it has none)."""
+    if problem := backward_problem(spec):
+        raise ValueError(f"no backward for this spec ({spec.summary()}): {problem}")
+    dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
+    row = next(r for r in SM90_BWD_TILES if max(dqk, dv) <= r.max_head_dim)
+    producer_regs, consumer_regs = SM90_BWD_REGISTER_SPLIT
+    variant = dict(
+        head_dim=spec.head_dim,
+        head_dim_v=spec.dv,
+        qhead_per_kvhead=spec.qhead_per_kvhead,
+        softmax_scale=spec.scale,
+        scale_log2=spec.scale * LOG2E,
+        softcap=spec.softcap,
+        window_left=spec.left_bound,
+        window_right=spec.right_bound,
+    )
+    config = Sm90BwdConfig(
+        **variant,
+        head_dim_padded=dqk,
+        head_dim_v_padded=dv,
+        num_consumer_warpgroups=2,
+        tile_m=row.tile_m,
+        q_stages=row.q_stages,
+        producer_regs=producer_regs,
+        consumer_regs=consumer_regs,
+        dq_split=row.dq_split,
+    )
+    problem = bwd_config_problem(config)
+    assert not problem, f"the backward planner made a plan that cannot run: {problem}"
+    why = dict.fromkeys(variant, "from the spec")
+    why.update(
+        head_dim_padded="the head dim rounded up to the MMA's K granule (16)",
+        head_dim_v_padded="the head dim rounded up to the MMA's K granule (16)",
+        num_consumer_warpgroups="64 keys per consumer warpgroup, dK and dV in its registers",
+        tile_m=row.reason,
+        q_stages=row.reason,
+        dq_split=row.reason,
+        producer_regs="the TMA warp needs few registers; the consumers take the rest",
+        consumer_regs="the TMA warp needs few registers; the consumers take the rest",
+    )
+    return Plan(arch="sm_90a", kernel=KERNEL, config=config, reasons=why)
