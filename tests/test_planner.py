@@ -1123,7 +1123,7 @@ def test_backward_config_check_names_what_is_wrong():
         "dq_split m needs tile_m = 128": {"dq_split": "m"},
         "shared memory": {"tile_m": 128, "dq_split": "m", "head_dim_v": 256, "head_dim_v_padded": 256},
         "pool": {"consumer_regs": 256},
-        "accumulators take": {"head_dim": 192, "head_dim_padded": 192},
+        "accumulators take": {"head_dim": 192, "head_dim_padded": 192, "dq_stages": 1, "q_stages": 1},
         "2 consumer warpgroups": {"num_consumer_warpgroups": 3},
         "not a positive multiple of 16": {"tile_m": 72},
     }

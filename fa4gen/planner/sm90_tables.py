@@ -213,6 +213,7 @@ class BwdTileRow:
     tile_m: int
     dq_split: Literal["m", "n"]
     q_stages: int
+    dq_stages: int
     reason: str
 
 
@@ -222,7 +223,12 @@ class BwdTileRow:
 # thread ride beside S^T and dP^T (decision bwd-tiles).
 SM90_BWD_TILES = (
     BwdTileRow(
-        128, 64, "n", 2, "64 query rows per step, dQ split by head dim; Q/dO double-buffered (decision bwd-tiles)"
+        128,
+        64,
+        "n",
+        2,
+        2,
+        "64 query rows per step, dQ split by head dim; Q/dO and dQ double-buffered (decision bwd-tiles)",
     ),
 )
 SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split

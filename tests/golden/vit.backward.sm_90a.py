@@ -29,6 +29,7 @@ CONFIG = Sm90BwdConfig(
     num_consumer_warpgroups=2,
     tile_m=64,
     q_stages=2,
+    dq_stages=2,
     producer_regs=24,
     consumer_regs=240,
     dq_split='n',

@@ -5,19 +5,14 @@ the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel below, and
 postprocess (dQ scaled and rounded).
 
 Main kernel: one CTA per (key tile of 64 keys per consumer warpgroup, KV head, batch). Warpgroup
-0 is the producer (one warp: TMA loads of K and V once, then per step a query tile's Q and dO
-into a ring of ``q_stages``); warpgroups 1..2 are consumers, each owning 64 keys of the tile and
-their dK and dV accumulators, which stay in registers over every step: the KV head's query heads
-(so GQA needs no reduction across CTAs: dK and dV are written once, deterministically) times the
-query tiles that see the key tile. One step (``step``), with every MMA spanning both warpgroups:
-
-1. S^T = K.Q^T and dP^T = V.dO^T (keys on the MMA's M side, so the probabilities are already
-   the A operand of dV's product: FA3/FA4's SdP_swapAB);
-2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum) (with a
-   soft cap, times its tanh's derivative);
-3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
-4. dS^T through shared memory (transposing stmatrix) for dQ = dS.K, whose fp32 result is added
-   into the accumulator in global memory (``red.add``: the only cross-CTA reduction).
+0 is the producer (one warp: TMA loads of K and V once, then per step a query tile's Q and dO,
+with their rows' LSE and dPsum, into a ring of ``q_stages``); warpgroups 1..2 are consumers,
+each owning 64 keys of the tile and their dK and dV accumulators, which stay in registers over
+every step: the KV head's query heads (so GQA needs no reduction across CTAs: dK and dV are
+written once, deterministically) times the query tiles that see the key tile. A step
+(bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
+registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
+accumulator in global memory (the only cross-CTA sum) that runs on during the next step.
 
 Everything tile-shaped is a compile-time constant of Sm90BwdConfig; batch, heads and sequence
 lengths are run-time values.
@@ -25,71 +20,29 @@ lengths are run-time values.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Any
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
-from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
-from fa4gen.kernels.common.masking import KeyTileRange, column_offsets, visible_columns
+from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
-from fa4gen.kernels.sm90.bwd_prepost import LOG2_E, Sm90BwdPrePost
+from fa4gen.kernels.sm90.bwd_prepost import Sm90BwdPrePost
+from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
 PREPOST_THREADS = WARPGROUP_THREADS
+ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 
 
-class BwdBarrier(enum.IntEnum):
-    """Named barriers of the consumer warpgroups (0 is __syncthreads)."""
-
-    DS_FREE = 1  # both warpgroups' dQ MMAs have read the last dS
-    DS_FULL = 2  # both warpgroups have written this step's dS
-
-
-@dataclass(frozen=True)
-class BwdFragments:
-    """One consumer thread's MMAs, operand fragments and accumulators (made once per CTA; the
-    accumulators change in place, the record never)."""
-
-    sdp_first: Any  # S^T and dP^T: the first k-block zero-fills
-    sdp_rest: Any
-    dkv: Any  # dV += P^T.dO and dK += dS^T.Q (A from registers)
-    dk: Any
-    dq_first: Any  # dQ = dS.K
-    dq_rest: Any
-    tSrK: Any  # S^T: K (A) and Q (B)
-    tSrQ: Any
-    tPrV: Any  # dP^T: V (A) and dO (B)
-    tPrdO: Any
-    tVrdO: Any  # dV: dO^T (B)
-    tKrQ: Any  # dK: Q^T (B)
-    tQrdS: Any  # dQ: dS (A) and K^T (B)
-    tQrK: Any
-    p: Any  # P^T and dS^T as 16-bit A operands
-    ds: Any
-    ds_copy: Any  # stmatrix of dS^T into sdS: (copy, its source view of ds, its targets)
-    ds_source: Any
-    ds_target: Any
-    acc_dk: Any
-    acc_dv: Any
-    coords_s: Any  # (key, query) of each S^T element in the tile
-    thr_dq: Any  # this thread's part of dQ's MMA
-    coords_dk: Any  # (key, column) of each dK and dV element in the tile
-    coords_dv: Any
-
-
-class HopperAttentionBackward(Sm90BwdPrePost):
+class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     """One compiled backward; ``config`` is the planner's Sm90BwdConfig."""
 
     def __init__(self, config: Sm90BwdConfig):
@@ -99,7 +52,7 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_consumers = config.num_consumer_warpgroups
-        self.q_stages = config.q_stages
+        self.q_stages, self.dq_stages = config.q_stages, config.dq_stages
         # the mask read per key: the query rows that see it (masking.key_query_range)
         self.key_queries = KeyTileRange(self.tile_m, self.tile_n, config.window_left, config.window_right)
         self.threads = WARPGROUP_THREADS * (1 + self.num_consumers)
@@ -125,23 +78,10 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         stream: cuda.CUstream,
     ):
         self.dtype = mQ.element_type
-        # (S, D, H, B): sequence-major views, head dim contiguous
-        q, k, v, do = (
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO)
-        )
         layouts = self._smem_layouts(self.dtype)
-        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout = layouts
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        stage = (None, None, 0)
-        tma_q, tma_q_t = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (self.tile_m, self.dqk))
-        tma_do, tma_do_t = cpasync.make_tiled_tma_atom(g2s, do, cute.slice_(sdO_layout, stage), (self.tile_m, self.dv))
-        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
-        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, v, cute.slice_(sV_layout, stage), (self.tile_n, self.dv))
-        self.q_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, stage))
-        self.do_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, stage))
-        self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, stage)) + cute.size_in_bytes(
-            self.dtype, cute.slice_(sV_layout, stage)
-        )
+        tmas = self._tma_atoms(mQ, mK, mV, mdO, mdQaccum, mdPsum, mLSElog2, layouts)
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
+        rows = self.tile_m * self.q_stages
 
         @cute.struct
         class SharedStorage:
@@ -153,6 +93,9 @@ class HopperAttentionBackward(Sm90BwdPrePost):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, rows], ROW_ALIGN]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, rows], ROW_ALIGN]
 
         self.shared_storage = SharedStorage
         batches, seqlen_q, heads_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
@@ -160,22 +103,7 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        self.kernel(
-            tma_q,
-            tma_q_t,
-            tma_do,
-            tma_do_t,
-            tma_k,
-            tma_k_t,
-            tma_v,
-            tma_v_t,
-            mdK,
-            mdV,
-            mdQaccum,
-            mdPsum,
-            mLSElog2,
-            *layouts,
-        ).launch(  # fmt: skip
+        self.kernel(*tmas, mdK, mdV, *layouts).launch(
             grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2], batches),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
@@ -185,6 +113,37 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         self.postprocess(mdQaccum, mdQ).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
+
+    def _tma_atoms(self, mQ, mK, mV, mdO, mdQaccum, mdPsum, mLSElog2, layouts) -> tuple:
+        """(atom, its tensor) of every TMA: loads of Q, dO, K, V (as (S, D, H, B) views) and of the
+        rows' LSE and dPsum ((Sq_pad, H, B)), and dQ's reduce-add, one box per warpgroup
+        ((Sq_pad, D_pad, H, B)); records the bytes each load pipeline's stage receives."""
+        sQ_layout, sdO_layout, sK_layout, sV_layout, _, _ = layouts
+        q, k, v, do = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO)
+        )
+        lse, dpsum = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSElog2, mdPsum))
+        dq = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=[2, 3, 1, 0]))
+        g2s, stage = cpasync.CopyBulkTensorTileG2SOp(), (None, None, 0)
+        rows = cute.make_layout(self.tile_m)
+        tmas = (
+            cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (self.tile_m, self.dqk)),
+            cpasync.make_tiled_tma_atom(g2s, do, cute.slice_(sdO_layout, stage), (self.tile_m, self.dv)),
+            cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk)),
+            cpasync.make_tiled_tma_atom(g2s, v, cute.slice_(sV_layout, stage), (self.tile_n, self.dv)),
+            cpasync.make_tiled_tma_atom(g2s, lse, rows, (self.tile_m,)),
+            cpasync.make_tiled_tma_atom(g2s, dpsum, rows, (self.tile_m,)),
+            cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), dq, self._dq_layout(self._dq_box()), self._dq_box()
+            ),
+        )
+        row_bytes = self.tile_m * Float32.width // 8
+        self.q_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, stage)) + row_bytes
+        self.do_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, stage)) + row_bytes
+        self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, stage)) + cute.size_in_bytes(
+            self.dtype, cute.slice_(sV_layout, stage)
+        )
+        return tmas
 
     def _smem_layout(self, dtype, rows: int, cols: int, stages: int, major: int):
         """(rows, cols, stages), cols contiguous, in swizzle atoms ``major`` columns wide or
@@ -197,7 +156,7 @@ class HopperAttentionBackward(Sm90BwdPrePost):
     def _smem_layouts(self, dtype):
         """Q and dO: read as S^T / dP^T's B operand and, transposed, dK / dV's; K: S^T's A
         operand and, transposed, dQ's B (split over the warpgroups by head dim with dq_split n);
-        V: dP^T's A; dS: dQ's A, written transposed."""
+        V: dP^T's A; dS: dQ's A, written transposed; dQ's fp32 staging (``_dq_layout``)."""
         k_major = self.dqk // self.num_consumers if self.cfg.dq_split == "n" else self.dqk
         return (
             self._smem_layout(dtype, self.tile_m, self.dqk, self.q_stages, self.dqk),
@@ -205,109 +164,56 @@ class HopperAttentionBackward(Sm90BwdPrePost):
             self._smem_layout(dtype, self.tile_n, self.dqk, 1, k_major),
             self._smem_layout(dtype, self.tile_n, self.dv, 1, self.dv),
             self._smem_layout(dtype, self.tile_m, self.tile_n, 1, self.tile_n),
+            self._dq_layout((self.tile_m, self.dqk, self.dq_stages)),
         )
 
-    # ------------------------------------------------------------------ MMAs and fragments
-    def _mma(self, a_major, b_major, atoms, tiler, accumulate: bool, a_registers: bool = False) -> cute.TiledMma:
-        source = warpgroup.OperandSource.RMEM if a_registers else warpgroup.OperandSource.SMEM
-        mma = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major, Float32, atoms, tiler, source)
-        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
-        return mma
+    def _dq_box(self) -> tuple[int, int]:
+        """One warpgroup's share of dQ: 64 rows x its columns (dq_split n) or all (m)."""
+        return (WGMMA_M, self.dqk // self.num_consumers if self.cfg.dq_split == "n" else self.dqk)
 
-    @cute.jit
-    def fragments(self, sQ, sdO, sK, sV, sdS, ctidx: Int32) -> BwdFragments:
-        """The MMAs over both consumer warpgroups (``ctidx``: 0..255) and this thread's parts."""
-        K, MN = OperandMajorMode.K, OperandMajorMode.MN
-        W = self.num_consumers
-        keys = (W, 1, 1)  # the key rows split over the warpgroups
-        sdp_first = self._mma(K, K, keys, (WGMMA_M, self.tile_m), False)
-        thr_sdp = sdp_first.get_slice(ctidx)
-        dkv = self._mma(K, MN, keys, (WGMMA_M, self.dv), True, a_registers=True)
-        dk = self._mma(K, MN, keys, (WGMMA_M, self.dqk), True, a_registers=True)
-        thr_dv, thr_dk = dkv.get_slice(ctidx), dk.get_slice(ctidx)
-        if cutlass.const_expr(self.cfg.dq_split == "m"):
-            dq_atoms, dq_tiler = (W, 1, 1), (WGMMA_M, self.dqk)
-        else:
-            dq_atoms, dq_tiler = (1, W, 1), (WGMMA_M, self.dqk // W)
-        dq_first = self._mma(K, MN, dq_atoms, dq_tiler, False)
-        thr_dq = dq_first.get_slice(ctidx)
-        # transposed views of the same buffers (a K-major atom read transposed is an MN-major one)
-        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
-        sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
-        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
-        sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
-        ds_copy = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.dtype, Float32), sdp_first
-        )
-        thr_copy = ds_copy.get_slice(ctidx)
-        s_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
-        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.dqk)))
-        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.dv)))
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        return BwdFragments(
-            sdp_first=sdp_first,
-            sdp_rest=self._mma(K, K, keys, (WGMMA_M, self.tile_m), True),
-            dkv=dkv,
-            dk=dk,
-            dq_first=dq_first,
-            dq_rest=self._mma(K, MN, dq_atoms, dq_tiler, True),
-            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK)),
-            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
-            tPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV)),
-            tPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
-            tVrdO=thr_dv.make_fragment_B(thr_dv.partition_B(sdOt)),
-            tKrQ=thr_dk.make_fragment_B(thr_dk.partition_B(sQt)),
-            tQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
-            tQrK=thr_dq.make_fragment_B(thr_dq.partition_B(sKt)),
-            p=cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype),
-            ds=ds,
-            ds_copy=ds_copy,
-            ds_source=thr_copy.retile(cute.make_tensor(ds.iterator, cute.make_layout(s_shape))),
-            ds_target=thr_copy.partition_D(sdSt[None, None, 0]),
-            acc_dk=acc_dk,
-            acc_dv=acc_dv,
-            coords_s=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
-            thr_dq=thr_dq,
-            coords_dk=thr_dk.partition_C(cute.make_identity_tensor((self.tile_n, self.dqk))),
-            coords_dv=thr_dv.partition_C(cute.make_identity_tensor((self.tile_n, self.dv))),
-        )
+    def _dq_layout(self, shape: tuple):
+        """fp32 dQ staging of ``shape`` in swizzle atoms as wide as a warpgroup's box allows,
+        ordered so each warpgroup's box is one compact run of atoms (what its TMA reads)."""
+        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self._dq_box()[1])
+        atom = warpgroup.make_smem_layout_atom(kind, Float32)
+        order = (0, 1, 2) if self.cfg.dq_split == "n" else (1, 0, 2)
+        return cute.tile_to_shape(atom, shape, order=order[: len(shape)])
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
         self,
         tma_q,
-        mQ,
         tma_do,
-        mdO,
         tma_k,
-        mK,
         tma_v,
-        mV,
+        tma_lse,
+        tma_dpsum,
+        tma_dq,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mLSElog2: cute.Tensor,
         sQ_layout,
         sdO_layout,
         sK_layout,
         sV_layout,
         sdS_layout,
+        sdQ_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         n_block, kv_head, batch = cute.arch.block_idx()
         storage = SmemAllocator().allocate(self.shared_storage)
-        smem = (
-            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
-            storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
-            storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
-            storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
-            storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+        rows = cute.make_layout((self.tile_m, self.q_stages))
+        smem = BwdSmem(
+            q=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            do=storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
+            k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            ds=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            dq=storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
+            lse=storage.sLSE.get_tensor(rows),
+            dpsum=storage.sdPsum.get_tensor(rows),
         )
         W = self.num_consumers
         pipes = (
@@ -317,7 +223,7 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        seqlen_q, seqlen_k = tma_q[1].shape[0], tma_k[1].shape[0]
         m_min, m_max = Int32(0), cute.ceil_div(seqlen_q, self.tile_m)
         if cutlass.const_expr(self.key_queries.structural):
             m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, seqlen_q, seqlen_k)
@@ -325,47 +231,54 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, smem, pipes, where)
+                self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dpsum), smem, pipes, where)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            ctidx = tidx - WARPGROUP_THREADS
-            f = self.fragments(*smem, ctidx)
-            self.consume(f, pipes, where, seqlen_q, seqlen_k, mdQaccum, mdPsum, mLSElog2)
+            f = self.fragments(smem, tidx - WARPGROUP_THREADS)
+            self.consume(f, smem, pipes, where, tma_dq, seqlen_q, seqlen_k)
             self.store_dk_dv(f, mdK, mdV, n_block, kv_head, batch, seqlen_k)
 
     @cute.jit
-    def produce(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, smem, pipes, where):
-        """One warp: K and V once, then Q and dO of every step into the ring."""
-        sQ, sdO, sK, sV, _ = smem
+    def produce(self, tmas, smem: BwdSmem, pipes, where):
+        """One warp: K and V once, then each step's Q with its rows' LSE and dO with their dPsum."""
+        (tma_q, mQ), (tma_do, mdO), (tma_k, mK), (tma_v, mV), (tma_lse, mLSE), (tma_dpsum, mdPsum) = tmas
         pipe_kv, pipe_q, pipe_do = pipes
         n_block, kv_head, batch, m_min, count = where
-        one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.dqk), (None, 0))
-        gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.dv), (None, 0))
-        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tKs, tKg = self._tma_parts(tma_k, mK[None, None, kv_head, batch], smem.k, (self.tile_n, self.dqk))
+        tVs, tVg = self._tma_parts(tma_v, mV[None, None, kv_head, batch], smem.v, (self.tile_n, self.dv))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
-        cute.copy(tma_k, tKg[None, n_block], tKs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_v, tVg[None, n_block], tVs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_k, tKg[None, n_block, 0], tKs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVg[None, n_block, 0], tVs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for step in cutlass.range(self.cfg.qhead_per_kvhead * count, unroll=1):
             head = kv_head * self.cfg.qhead_per_kvhead + step // count
             m_block = m_min + step % count
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.dqk), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.dv), (None, 0))
-            tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tdOs, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tQs, tQg = self._tma_parts(tma_q, mQ[None, None, head, batch], smem.q, (self.tile_m, self.dqk))
+            tdOs, tdOg = self._tma_parts(tma_do, mdO[None, None, head, batch], smem.do, (self.tile_m, self.dv))
+            tLs, tLg = self._tma_parts(tma_lse, mLSE[None, head, batch], smem.lse, (self.tile_m,))
+            tPs, tPg = self._tma_parts(tma_dpsum, mdPsum[None, head, batch], smem.dpsum, (self.tile_m,))
             pipe_q.producer_acquire(state)
-            cute.copy(tma_q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=pipe_q.producer_get_barrier(state))
+            q_bar = pipe_q.producer_get_barrier(state)
+            cute.copy(tma_q, tQg[None, m_block, 0], tQs[None, state.index], tma_bar_ptr=q_bar)
+            cute.copy(tma_lse, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=q_bar)
             pipe_do.producer_acquire(state)
-            cute.copy(
-                tma_do, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=pipe_do.producer_get_barrier(state)
-            )
+            do_bar = pipe_do.producer_get_barrier(state)
+            cute.copy(tma_do, tdOg[None, m_block, 0], tdOs[None, state.index], tma_bar_ptr=do_bar)
+            cute.copy(tma_dpsum, tPg[None, m_block], tPs[None, state.index], tma_bar_ptr=do_bar)
             state.advance()
 
+    def _tma_parts(self, atom, tensor, buffer, tile: tuple):
+        """(smem, gmem) TMA partitions of ``tensor``'s tiles of shape ``tile`` into ``buffer``'s
+        stages (the gmem side indexed by tile coordinates)."""
+        modes = len(tile)
+        tiles = cute.local_tile(tensor, tile, (None,) * modes)
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(buffer, 0, modes), cute.group_modes(tiles, 0, modes)
+        )
+
     @cute.jit
-    def consume(self, f: BwdFragments, pipes, where, seqlen_q, seqlen_k, mdQaccum, mdPsum, mLSElog2):
+    def consume(self, f, smem: BwdSmem, pipes, where, tma_dq, seqlen_q, seqlen_k):
         """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``)."""
         pipe_kv, pipe_q, pipe_do = pipes
         n_block, kv_head, batch, m_min, count = where
@@ -375,123 +288,9 @@ class HopperAttentionBackward(Sm90BwdPrePost):
         for step in cutlass.range(self.cfg.qhead_per_kvhead * count, unroll=1):
             head = kv_head * self.cfg.qhead_per_kvhead + step // count
             m_block = m_min + step % count
-            self.scores_and_grads(
-                f, pipe_q, pipe_do, state, (n_block, head, batch, m_block), seqlen_q, seqlen_k, mdPsum, mLSElog2
-            )
-            acc_dq = self.products(f, pipe_q, pipe_do, state)
-            self.add_dq(f, acc_dq, mdQaccum, head, batch, m_block)
+            self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, m_block), seqlen_q, seqlen_k)
+            acc_dq = self.products(f, pipe_do, state)
+            self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages)
+            self.dk_done(pipe_q, state)
             state.advance()
-
-    @cute.jit
-    def column_values(self, table: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, coords, row_shape):
-        """This thread's columns' entries of a (B, H, Sq_pad) row table (LSE, dPsum), as one
-        vector shaped like a row of the S^T view."""
-        values = cute.make_rmem_tensor(cute.make_layout(row_shape), Float32)
-        base = m_block * self.tile_m
-        for c in cutlass.range_constexpr(cute.size(values)):
-            values[c] = table[batch, head, base + coords[0, c][1]]
-        return values.load()
-
-    @cute.jit
-    def scores_and_grads(self, f: BwdFragments, pipe_q, pipe_do, state, at, seqlen_q, seqlen_k, mdPsum, mLSElog2):
-        """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into sdS)."""
-        n_block, head, batch, m_block = at
-        acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
-        acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
-        pipe_q.consumer_wait(state)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(f.tSrK, mode=[2])):
-            mma = f.sdp_first if kb == 0 else f.sdp_rest
-            cute.gemm(mma, acc_s, f.tSrK[None, None, kb, 0], f.tSrQ[None, None, kb, state.index], acc_s)
-        warpgroup.commit_group()
-        pipe_do.consumer_wait(state)
-        for kb in cutlass.range_constexpr(cute.size(f.tPrV, mode=[2])):
-            mma = f.sdp_first if kb == 0 else f.sdp_rest
-            cute.gemm(mma, acc_dp, f.tPrV[None, None, kb, 0], f.tPrdO[None, None, kb, state.index], acc_dp)
-        warpgroup.commit_group()
-        scores, grads, coords = rows_cols_view(acc_s), rows_cols_view(acc_dp), rows_cols_view(f.coords_s)
-        row_shape = scores[0, None].shape
-        lse = self.column_values(mLSElog2, batch, head, m_block, coords, row_shape)
-        offsets = column_offsets(coords, row_shape)
-        first_col = m_block * self.tile_m + coords[0, 0][1]
-        check_start = self.cfg.window_right is not None  # (the lowest query seeing a key is 0 otherwise)
-        if cutlass.const_expr(self.cfg.softcap is None):
-            warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
-                visible = visible_columns(offsets, first_col, lo, hi, check_start)
-                probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
-                scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
-            warpgroup.wait_group(0)
-            dpsum = self.column_values(mdPsum, batch, head, m_block, coords, row_shape)
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
-        else:
-            warpgroup.wait_group(0)
-            dpsum = self.column_values(mdPsum, batch, head, m_block, coords, row_shape)
-            softcap = self.cfg.softcap
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
-                visible = visible_columns(offsets, first_col, lo, hi, check_start)
-                # the forward's score is softcap * tanh(s * scale / softcap); its derivative 1 - tanh^2
-                t = cute.math.tanh(scores[r, None].load() * Float32(self.cfg.softmax_scale / softcap), fastmath=True)
-                probs = cute.math.exp2(t * Float32(softcap * LOG2_E) - lse, fastmath=True)
-                probs = cute.where(visible, probs, Float32(0.0))
-                scores[r, None].store(probs)
-                grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
-        store_as_operand_a(acc_s, f.p, pinned=False)
-        store_as_operand_a(acc_dp, f.ds, pinned=False)
-        # dS^T to shared memory for dQ, once both warpgroups' last dQ MMAs have read it
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FREE), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
-        cute.copy(f.ds_copy, f.ds_source, f.ds_target)
-        cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
-    def products(self, f: BwdFragments, pipe_q, pipe_do, state):
-        """dV += P^T.dO, dK += dS^T.Q, then dQ = dS.K once every dS row is in (returned); frees
-        Q and dO."""
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(f.p, mode=[2])):
-            cute.gemm(f.dkv, f.acc_dv, f.p[None, None, kb], f.tVrdO[None, None, kb, state.index], f.acc_dv)
-        for kb in cutlass.range_constexpr(cute.size(f.ds, mode=[2])):
-            cute.gemm(f.dk, f.acc_dk, f.ds[None, None, kb], f.tKrQ[None, None, kb, state.index], f.acc_dk)
-        warpgroup.commit_group()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
-        acc_dq = cute.make_rmem_tensor(f.thr_dq.partition_shape_C((self.tile_m, self.dqk)), Float32)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(f.tQrdS, mode=[2])):
-            mma = f.dq_first if kb == 0 else f.dq_rest
-            cute.gemm(mma, acc_dq, f.tQrdS[None, None, kb, 0], f.tQrK[None, None, kb, 0], acc_dq)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(state)
-        pipe_do.consumer_release(state)
-        return acc_dq
-
-    @cute.jit
-    def add_dq(self, f: BwdFragments, acc_dq, mdQaccum: cute.Tensor, head: Int32, batch: Int32, m_block: Int32):
-        """This thread's dQ partials into the fp32 accumulator (whole padded tiles: no bounds)."""
-        gdq = cute.local_tile(mdQaccum[batch, head, None, None], (self.tile_m, self.dqk), (m_block, 0))
-        # the tile partitioned like the accumulator: one base address, a constant offset per element
-        # (per-element coordinates would be hoisted out of the loop as 32 more live registers)
-        targets = f.thr_dq.partition_C(gdq)
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
-            address = targets.iterator + cute.crd2idx(i, targets.layout)
-            cute.arch.red(address, acc_dq[i], op="add", dtype="f32", sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def store_dk_dv(self, f: BwdFragments, mdK, mdV, n_block: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32):
-        """dK (times softmax_scale) and dV of this thread's keys, rounded, below Sk."""
-        where = (n_block * self.tile_n, kv_head, batch, seqlen_k)
-        self._store_rows(f.acc_dk, f.coords_dk, mdK, where, self.cfg.head_dim, self.cfg.softmax_scale)
-        self._store_rows(f.acc_dv, f.coords_dv, mdV, where, self.cfg.head_dim_v, 1.0)
-
-    @cute.jit
-    def _store_rows(self, acc, coords, out, where, width: int, scale: float):
-        first_key, kv_head, batch, seqlen_k = where
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            key, col = coords[i]
-            value = acc[i] if cutlass.const_expr(scale == 1.0) else acc[i] * Float32(scale)
-            if first_key + key < seqlen_k:
-                if col < width:  # (the padded head dim's columns are not stored)
-                    out[batch, first_key + key, kv_head, col] = value.to(out.element_type)
+        self.dq_stores_done(f)

@@ -43,7 +43,8 @@ class Sm90BwdConfig(BaseModel):
     head_dim_v_padded: int
     num_consumer_warpgroups: int  # each owns 64 keys of the CTA's key tile
     tile_m: int  # query rows per step
-    q_stages: int  # Q (and dO) buffers: the next step's load while this one computes
+    q_stages: int  # Q and dO buffers (with their rows' LSE and dPsum): the next step's load during this one
+    dq_stages: int  # dQ staging buffers: a step's TMA reduce-add runs on while the next computes
     producer_regs: int
     consumer_regs: int
     dq_split: DqSplit  # dQ = dS.K split over the warpgroups by query rows (m) or head dim (n)
@@ -54,11 +55,13 @@ class Sm90BwdConfig(BaseModel):
 
 
 def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
-    """K and V (one tile each), Q and dO (q_stages each), dS (one tile)."""
+    """K and V (one tile each), Q and dO (q_stages each) with their rows' LSE and dPsum, dS (one
+    tile), dQ's fp32 staging (dq_stages tiles)."""
     k_v = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     q_do = c.q_stages * c.tile_m * (c.head_dim_padded + c.head_dim_v_padded)
     ds = c.tile_m * c.tile_n
-    return (k_v + q_do + ds) * ELEMENT_BYTES + SMEM_RESERVE_BYTES
+    fp32 = c.q_stages * 2 * c.tile_m + c.dq_stages * c.tile_m * c.head_dim_padded
+    return (k_v + q_do + ds) * ELEMENT_BYTES + fp32 * 4 + SMEM_RESERVE_BYTES
 
 
 def bwd_accumulator_registers(c: Sm90BwdConfig) -> int:
@@ -91,8 +94,8 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
             return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
     if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
         return "the padded head dims must hold the head dims"
-    if c.num_consumer_warpgroups != 2 or c.q_stages not in (1, 2):
-        return "the backward runs 2 consumer warpgroups and 1 or 2 Q stages"
+    if c.num_consumer_warpgroups != 2 or c.q_stages not in (1, 2) or c.dq_stages not in (1, 2):
+        return "the backward runs 2 consumer warpgroups, 1 or 2 Q stages and 1 or 2 dQ stages"
     if c.tile_m > 256 or c.tile_m % 8:
         return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
     if problem := dq_split_problem(c):

@@ -1,0 +1,306 @@
+"""One step of the Hopper backward's consumer warpgroups (a mixin of bwd.HopperAttentionBackward):
+a query tile of one query head against the CTA's key tile, every MMA spanning both warpgroups.
+
+1. S^T = K.Q^T and dP^T = V.dO^T (keys on the MMA's M side, so the probabilities are already
+   the A operand of dV's product: FA3/FA4's SdP_swapAB);
+2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum) (with a
+   soft cap, times its tanh's derivative); the rows' LSE and dPsum come from shared memory,
+   loaded with Q and dO;
+3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
+4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
+5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
+   global memory by one TMA reduce-add per warpgroup, which runs on during the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
+from fa4gen.kernels.common.masking import column_offsets, visible_columns
+from fa4gen.kernels.sm90.bwd_prepost import LOG2_E
+
+
+class BwdBarrier(enum.IntEnum):
+    """Named barriers of the consumer warpgroups (0 is __syncthreads)."""
+
+    DS_FREE = 1  # both warpgroups' dQ MMAs have read the last dS
+    DS_FULL = 2  # both warpgroups have written this step's dS
+    DQ_FREE = 3  # (+ warpgroup) the staging buffer's earlier reduce-add has read it
+    DQ_FULL = 5  # (+ warpgroup) the warpgroup's dQ is staged for its reduce-add
+
+
+@dataclass(frozen=True)
+class BwdSmem:
+    """The CTA's shared-memory buffers."""
+
+    q: Any  # (tile_m, D, q_stages)
+    do: Any  # (tile_m, Dv, q_stages)
+    k: Any  # (tile_n, D, 1)
+    v: Any  # (tile_n, Dv, 1)
+    ds: Any  # (tile_m, tile_n, 1)
+    dq: Any  # (tile_m, D, dq_stages) fp32
+    lse: Any  # (tile_m, q_stages) fp32, log2 units
+    dpsum: Any  # (tile_m, q_stages) fp32
+
+
+@dataclass(frozen=True)
+class BwdFragments:
+    """One consumer thread's MMAs, operand fragments and accumulators (made once per CTA; the
+    accumulators change in place, the record never)."""
+
+    sdp_first: Any  # S^T and dP^T: the first k-block zero-fills
+    sdp_rest: Any
+    dkv: Any  # dV += P^T.dO and dK += dS^T.Q (A from registers)
+    dk: Any
+    dq_first: Any  # dQ = dS.K
+    dq_rest: Any
+    tSrK: Any  # S^T: K (A) and Q (B)
+    tSrQ: Any
+    tPrV: Any  # dP^T: V (A) and dO (B)
+    tPrdO: Any
+    tVrdO: Any  # dV: dO^T (B)
+    tKrQ: Any  # dK: Q^T (B)
+    tQrdS: Any  # dQ: dS (A) and K^T (B)
+    tQrK: Any
+    p: Any  # P^T and dS^T as 16-bit A operands
+    ds: Any
+    ds_copy: Any  # stmatrix of dS^T into sdS: (copy, its source view of ds, its targets)
+    ds_source: Any
+    ds_target: Any
+    acc_dk: Any
+    acc_dv: Any
+    coords_s: Any  # (key, query) of each S^T element in the tile
+    thr_dq: Any  # this thread's part of dQ's MMA
+    coords_dk: Any  # (key, column) of each dK and dV element in the tile
+    coords_dv: Any
+    warpgroup: Any  # this thread's consumer warpgroup (0-based), its index and its warp's in it
+    wtidx: Any
+    warp: Any
+
+
+class Sm90BwdStep:
+    """Needs cfg, dtype, dqk, dv, tile_m, tile_n, num_consumers, dq_stages, key_queries,
+    _dq_box()."""
+
+    def _mma(self, a_major, b_major, atoms, tiler, accumulate: bool, a_registers: bool = False) -> cute.TiledMma:
+        source = warpgroup.OperandSource.RMEM if a_registers else warpgroup.OperandSource.SMEM
+        mma = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major, Float32, atoms, tiler, source)
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        return mma
+
+    @cute.jit
+    def fragments(self, smem: BwdSmem, ctidx: Int32) -> BwdFragments:
+        """The MMAs over both consumer warpgroups (``ctidx``: 0..255) and this thread's parts."""
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
+        W = self.num_consumers
+        keys = (W, 1, 1)  # the key rows split over the warpgroups
+        sdp_first = self._mma(K, K, keys, (WGMMA_M, self.tile_m), False)
+        thr_sdp = sdp_first.get_slice(ctidx)
+        dkv = self._mma(K, MN, keys, (WGMMA_M, self.dv), True, a_registers=True)
+        dk = self._mma(K, MN, keys, (WGMMA_M, self.dqk), True, a_registers=True)
+        thr_dv, thr_dk = dkv.get_slice(ctidx), dk.get_slice(ctidx)
+        if cutlass.const_expr(self.cfg.dq_split == "m"):
+            dq_atoms, dq_tiler = (W, 1, 1), (WGMMA_M, self.dqk)
+        else:
+            dq_atoms, dq_tiler = (1, W, 1), (WGMMA_M, self.dqk // W)
+        dq_first = self._mma(K, MN, dq_atoms, dq_tiler, False)
+        thr_dq = dq_first.get_slice(ctidx)
+        # transposed views of the same buffers (a K-major atom read transposed is an MN-major one)
+        sQt, sdOt, sKt, sdSt = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2]))
+            for t in (smem.q, smem.do, smem.k, smem.ds)
+        )
+        ds_copy = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.dtype, Float32), sdp_first
+        )
+        thr_copy = ds_copy.get_slice(ctidx)
+        s_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.dqk)))
+        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.dv)))
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        return BwdFragments(
+            sdp_first=sdp_first,
+            sdp_rest=self._mma(K, K, keys, (WGMMA_M, self.tile_m), True),
+            dkv=dkv,
+            dk=dk,
+            dq_first=dq_first,
+            dq_rest=self._mma(K, MN, dq_atoms, dq_tiler, True),
+            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(smem.k)),
+            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(smem.q)),
+            tPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(smem.v)),
+            tPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(smem.do)),
+            tVrdO=thr_dv.make_fragment_B(thr_dv.partition_B(sdOt)),
+            tKrQ=thr_dk.make_fragment_B(thr_dk.partition_B(sQt)),
+            tQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(smem.ds)),
+            tQrK=thr_dq.make_fragment_B(thr_dq.partition_B(sKt)),
+            p=cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype),
+            ds=ds,
+            ds_copy=ds_copy,
+            ds_source=thr_copy.retile(cute.make_tensor(ds.iterator, cute.make_layout(s_shape))),
+            ds_target=thr_copy.partition_D(sdSt[None, None, 0]),
+            acc_dk=acc_dk,
+            acc_dv=acc_dv,
+            coords_s=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
+            thr_dq=thr_dq,
+            coords_dk=thr_dk.partition_C(cute.make_identity_tensor((self.tile_n, self.dqk))),
+            coords_dv=thr_dv.partition_C(cute.make_identity_tensor((self.tile_n, self.dv))),
+            warpgroup=cute.arch.make_warp_uniform(ctidx // WARPGROUP_THREADS),
+            wtidx=ctidx % WARPGROUP_THREADS,
+            warp=cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4,
+        )
+
+    @cute.jit
+    def column_values(self, rows: cute.Tensor, stage: Int32, coords, row_shape):
+        """This thread's columns' entries of a staged (tile_m, stages) row table in shared
+        memory (LSE, dPsum), as one vector shaped like a row of the S^T view."""
+        values = cute.make_rmem_tensor(cute.make_layout(row_shape), Float32)
+        for c in cutlass.range_constexpr(cute.size(values)):
+            values[c] = rows[coords[0, c][1], stage]
+        return values.load()
+
+    @cute.jit
+    def scores_and_grads(self, f: BwdFragments, smem: BwdSmem, pipe_q, pipe_do, state, at, seqlen_q, seqlen_k):
+        """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into sdS)."""
+        n_block, m_block = at
+        acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
+        acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
+        pipe_q.consumer_wait(state)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(f.tSrK, mode=[2])):
+            mma = f.sdp_first if kb == 0 else f.sdp_rest
+            cute.gemm(mma, acc_s, f.tSrK[None, None, kb, 0], f.tSrQ[None, None, kb, state.index], acc_s)
+        warpgroup.commit_group()
+        pipe_do.consumer_wait(state)
+        for kb in cutlass.range_constexpr(cute.size(f.tPrV, mode=[2])):
+            mma = f.sdp_first if kb == 0 else f.sdp_rest
+            cute.gemm(mma, acc_dp, f.tPrV[None, None, kb, 0], f.tPrdO[None, None, kb, state.index], acc_dp)
+        warpgroup.commit_group()
+        scores, grads, coords = rows_cols_view(acc_s), rows_cols_view(acc_dp), rows_cols_view(f.coords_s)
+        row_shape = scores[0, None].shape
+        lse = self.column_values(smem.lse, state.index, coords, row_shape)
+        offsets = column_offsets(coords, row_shape)
+        first_col = m_block * self.tile_m + coords[0, 0][1]
+        check_start = self.cfg.window_right is not None  # (the lowest query seeing a key is 0 otherwise)
+        if cutlass.const_expr(self.cfg.softcap is None):
+            warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
+                visible = visible_columns(offsets, first_col, lo, hi, check_start)
+                probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
+                scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
+            warpgroup.wait_group(0)
+            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape)
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
+        else:
+            warpgroup.wait_group(0)
+            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape)
+            softcap = self.cfg.softcap
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
+                visible = visible_columns(offsets, first_col, lo, hi, check_start)
+                # the forward's score is softcap * tanh(s * scale / softcap); its derivative 1 - tanh^2
+                t = cute.math.tanh(scores[r, None].load() * Float32(self.cfg.softmax_scale / softcap), fastmath=True)
+                probs = cute.math.exp2(t * Float32(softcap * LOG2_E) - lse, fastmath=True)
+                probs = cute.where(visible, probs, Float32(0.0))
+                scores[r, None].store(probs)
+                grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
+        store_as_operand_a(acc_s, f.p, pinned=False)
+        store_as_operand_a(acc_dp, f.ds, pinned=False)
+        # dS^T to shared memory for dQ, once both warpgroups' last dQ MMAs have read it
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FREE), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
+        cute.copy(f.ds_copy, f.ds_source, f.ds_target)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def products(self, f: BwdFragments, pipe_do, state):
+        """dV += P^T.dO, then dQ = dS.K once every dS row is in (returned, done), then dK +=
+        dS^T.Q, left running (the caller stages dQ meanwhile, then waits: ``dk_done``); frees dO."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(f.p, mode=[2])):
+            cute.gemm(f.dkv, f.acc_dv, f.p[None, None, kb], f.tVrdO[None, None, kb, state.index], f.acc_dv)
+        warpgroup.commit_group()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
+        acc_dq = cute.make_rmem_tensor(f.thr_dq.partition_shape_C((self.tile_m, self.dqk)), Float32)
+        for kb in cutlass.range_constexpr(cute.size(f.tQrdS, mode=[2])):
+            mma = f.dq_first if kb == 0 else f.dq_rest
+            cute.gemm(mma, acc_dq, f.tQrdS[None, None, kb, 0], f.tQrK[None, None, kb, 0], acc_dq)
+        warpgroup.commit_group()
+        for kb in cutlass.range_constexpr(cute.size(f.ds, mode=[2])):
+            cute.gemm(f.dk, f.acc_dk, f.ds[None, None, kb], f.tKrQ[None, None, kb, state.index], f.acc_dk)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)  # dV and dQ are done; dK runs on
+        pipe_do.consumer_release(state)
+        return acc_dq
+
+    @cute.jit
+    def dk_done(self, pipe_q, state):
+        """Wait for the step's dK product, the last reader of its Q stage, and free the stage."""
+        warpgroup.wait_group(0)
+        pipe_q.consumer_release(state)
+
+    @cute.jit
+    def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32):
+        """This warpgroup's dQ into staging buffer ``stage`` (once its reduce-add of ``dq_stages``
+        steps ago has read it) and its TMA reduce-add into the accumulator, left running."""
+        head, batch, m_block = at
+        # the warp that issues the warpgroup's reduce-adds (a warp-uniform branch: a
+        # thread-dependent one around the TMA serialized every wgmma of the kernel)
+        issuing = f.warp == 0
+        if issuing:
+            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FREE) + f.warpgroup, number_of_threads=WARPGROUP_THREADS)
+        staged = f.thr_dq.partition_C(smem.dq[None, None, stage])
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            staged[i] = acc_dq[i]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + f.warpgroup, number_of_threads=WARPGROUP_THREADS)
+        if issuing:
+            atom, mdq = tma_dq
+            box = self._dq_box()
+            by_rows = self.cfg.dq_split == "m"
+            mine = (f.warpgroup, 0) if cutlass.const_expr(by_rows) else (0, f.warpgroup)
+            source = cute.local_tile(smem.dq[None, None, stage], box, mine)
+            tiles = cute.local_tile(mdq[None, None, head, batch], box, (None, None))
+            tDs, tDg = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(source, 0, 2), cute.group_modes(tiles, 0, 2)
+            )
+            row_tile = m_block * (self.tile_m // WGMMA_M) + (f.warpgroup if cutlass.const_expr(by_rows) else 0)
+            cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def dq_stores_done(self, f: BwdFragments):
+        """Every reduce-add has read its staging buffer (shared memory ends with the CTA)."""
+        if f.warp == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_dk_dv(self, f: BwdFragments, mdK, mdV, n_block: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32):
+        """dK (times softmax_scale) and dV of this thread's keys, rounded, below Sk."""
+        where = (n_block * self.tile_n, kv_head, batch, seqlen_k)
+        self._store_rows(f.acc_dk, f.coords_dk, mdK, where, self.cfg.head_dim, self.cfg.softmax_scale)
+        self._store_rows(f.acc_dv, f.coords_dv, mdV, where, self.cfg.head_dim_v, 1.0)
+
+    @cute.jit
+    def _store_rows(self, acc, coords, out, where, width: int, scale: float):
+        first_key, kv_head, batch, seqlen_k = where
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            key, col = coords[i]
+            value = acc[i] if cutlass.const_expr(scale == 1.0) else acc[i] * Float32(scale)
+            if first_key + key < seqlen_k:
+                if col < width:  # (the padded head dim's columns are not stored)
+                    out[batch, first_key + key, kv_head, col] = value.to(out.element_type)
