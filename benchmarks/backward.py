@@ -2,14 +2,15 @@
 
     python benchmarks/backward.py warm [--grid full|quick]            # any machine: compile the kernels
     python benchmarks/backward.py run  [--grid full|quick] [--out rows.json]   # on the GPU
+    python benchmarks/backward.py report rows.json > table.md
 
 Cells follow the forward grid's rule (fa4gen.bench: B x S = 16k tokens, Hq x d = 2048). Peers:
 flash-attn-4 (``flash_attn.cute.flash_attn_func`` under autograd), SDPA with the cuDNN and the
-flash backends; each is skipped where it is not installed or does not run the cell. The
-backward is timed alone (fa4gen: the backward kernel on saved out and LSE; peers: autograd's
-backward of a recorded forward, graph kept) and with the forward. TFLOP/s counts 2.5x the
-forward's useful FLOPs for the backward (its five matrix products against the forward's two)
-and 3.5x for forward + backward.
+flash backends, and FlexAttention on the variant cells; each is skipped where it is not
+installed or does not run the cell. The backward is timed alone (fa4gen: the backward kernel on
+saved out and LSE; peers: autograd's backward of a recorded forward, graph kept) and with the
+forward (all through autograd). TFLOP/s counts 2.5x the forward's useful FLOPs for the backward
+(its five matrix products against the forward's two).
 """
 
 from __future__ import annotations
@@ -56,64 +57,49 @@ def warm(args) -> None:
         print(f"{spec.summary():36} {'compiled' if backward.built_now else 'cached'}", flush=True)
 
 
-def _peers(spec: AttentionSpec):
-    """name -> (q, k, v) -> out under autograd, for the peers that run ``spec``."""
+PEERS = ("fa4", "cudnn", "sdpa_flash", "flex")
+
+
+def _peers(case: bench.BenchCase) -> dict:
+    """name -> (q, k, v) -> output under autograd, for the peers installed that run the cell
+    (the forward grid's peer functions: fa4gen.bench)."""
+    import torch._functorch.config
+
+    # the backward is timed on a kept graph (retain_graph): FlexAttention's compiled backward
+    # refuses that while it donates buffers
+    torch._functorch.config.donated_buffer = False
+    found = {}
+    variant = case.spec.softcap is not None or case.spec.left_bound is not None
+    for name in PEERS if variant else PEERS[:-1]:  # (FlexAttention's compiles: on the variant cells)
+        try:
+            function = bench.peer_function(name, case)
+        except Exception:  # not installed, or the variant is not supported
+            function = None
+        if function is not None:
+            found[name] = function
+    return found
+
+
+def _output(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _time_autograd(forward, input_sets):
+    """(backward ms, forward + backward ms) of ``forward`` under autograd, with a random gradient
+    of its output's shape."""
     import torch
-    import torch.nn.functional as F
 
-    peers = {}
-    try:
-        from flash_attn.cute import flash_attn_func
-
-        window = (spec.left_bound, spec.right_bound) if spec.left_bound is not None else (None, None)
-
-        def fa4(q, k, v):
-            result = flash_attn_func(q, k, v, causal=spec.causal, softcap=spec.softcap or 0.0, window_size=window)
-            return result[0] if isinstance(result, tuple) else result
-
-        peers["fa4"] = fa4
-    except ImportError:
-        pass
-    if spec.softcap is None and spec.left_bound is None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def sdpa(backend):
-            def run(q, k, v):
-                with sdpa_kernel(backend):
-                    out = F.scaled_dot_product_attention(
-                        q.transpose(1, 2),
-                        k.transpose(1, 2),
-                        v.transpose(1, 2),
-                        is_causal=spec.causal,
-                        enable_gqa=spec.qhead_per_kvhead > 1,
-                    )
-                return out.transpose(1, 2)
-
-            return run
-
-        peers["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-        peers["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
-    del torch
-    return peers
-
-
-def _time_autograd(forward, inputs_sets, dout):
-    """(backward ms, forward + backward ms) of ``forward`` under autograd."""
-    import torch
+    grad = torch.randn_like(_output(forward(*input_sets[0])))
 
     def step(q, k, v):
-        out = forward(q, k, v)
-        out.backward(dout)
+        torch.autograd.backward(_output(forward(q, k, v)), grad)
 
-    recorded = []
-    for q, k, v in inputs_sets:
-        out = forward(q, k, v)
-        recorded.append((out,))
+    recorded = [(_output(forward(q, k, v)),) for q, k, v in input_sets]
 
     def backward_only(out):
-        torch.autograd.backward(out, dout, retain_graph=True)
+        torch.autograd.backward(out, grad, retain_graph=True)
 
-    both = bench.time_ms(step, inputs_sets, iters=10, warmup=2)
+    both = bench.time_ms(step, input_sets, iters=10, warmup=2)
     alone = bench.time_ms(backward_only, recorded, iters=10, warmup=2)
     return alone, both
 
@@ -135,11 +121,11 @@ def run_case(case: bench.BenchCase) -> dict:
             saved.append((q, k, v, out, dout, lse))
     ms = bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)
     kernel = fa4gen.compile(spec)
-    _, both = _time_autograd(lambda q, k, v: kernel(q, k, v), sets, dout)
+    _, both = _time_autograd(lambda q, k, v: kernel(q, k, v), sets)
     row["fa4gen"] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9, "fwdbwd_ms": both}
-    for name, peer in _peers(spec).items():
+    for name, peer in _peers(case).items():
         try:
-            alone, both = _time_autograd(peer, sets, dout)
+            alone, both = _time_autograd(peer, sets)
         except Exception as exc:  # a peer that does not run the cell
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
             continue
@@ -153,13 +139,52 @@ def run(args) -> None:
         row = run_case(case)
         rows.append(row)
         cells = "  ".join(
-            f"{name} {row[name]['bwd_tflops']:.0f}" if "bwd_tflops" in row[name] else f"{name} -"
-            for name in ("fa4gen", "fa4", "cudnn", "sdpa_flash")
+            f"{name} {row[name]['bwd_tflops']:.0f}/{row[name]['fwdbwd_ms']:.2f}ms"
+            if "bwd_tflops" in row[name]
+            else f"{name} -"
+            for name in ("fa4gen", *PEERS)
             if name in row
         )
-        print(f"{case.name:34} S={case.seqlen:5} B={case.batch:2}  bwd TFLOP/s: {cells}", flush=True)
+        print(f"{case.name:34} S={case.seqlen:5} B={case.batch:2}  bwd TFLOP/s / fwd+bwd: {cells}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"env": _environment(), "rows": rows}, indent=1))
+
+
+def report(args) -> None:
+    """A markdown table of a run's backward TFLOP/s, with fa4gen / peer per cell and a summary."""
+    import math
+
+    rows = json.loads(Path(args.rows).read_text())["rows"]
+    peers = [p for p in PEERS if any("bwd_tflops" in r.get(p, {}) for r in rows)]
+    print(
+        "| case | S | B | fa4gen | " + " | ".join(peers) + " | vs flash-attn-4 | vs cuDNN | fwd+bwd vs flash-attn-4 |"
+    )
+    print("|" + "---|" * (len(peers) + 7))
+    ratios: dict[str, list[float]] = {p: [] for p in peers}
+
+    def ratio(row, peer, key="bwd_tflops"):
+        mine, theirs = row["fa4gen"].get(key), row.get(peer, {}).get(key)
+        if not mine or not theirs:
+            return None
+        return mine / theirs if key == "bwd_tflops" else theirs / mine
+
+    for row in rows:
+        values = [f"{row[p]['bwd_tflops']:.0f}" if "bwd_tflops" in row.get(p, {}) else "-" for p in peers]
+        for peer in peers:
+            if (r := ratio(row, peer)) is not None:
+                ratios[peer].append(r)
+        shown = [ratio(row, "fa4"), ratio(row, "cudnn"), ratio(row, "fa4", "fwdbwd_ms")]
+        cells = [f"{r:.2f}x" if r is not None else "-" for r in shown]
+        print(
+            f"| {row['name']} | {row['seqlen']} | {row['batch']} | {row['fa4gen']['bwd_tflops']:.0f} | "
+            + " | ".join(values + cells)
+            + " |"
+        )
+    print()
+    for peer, found in ratios.items():
+        if found:
+            mean = math.exp(sum(math.log(r) for r in found) / len(found))
+            print(f"- fa4gen / {peer}: min {min(found):.2f}x, geometric mean {mean:.2f}x over {len(found)} cells")
 
 
 def _environment() -> dict:
@@ -170,11 +195,12 @@ def _environment() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("warm", "run"))
+    parser.add_argument("mode", choices=("warm", "run", "report"))
+    parser.add_argument("rows", nargs="?", default="", help="report: the rows a run wrote (--out)")
     parser.add_argument("--grid", choices=("full", "quick"), default="quick")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    {"warm": warm, "run": run}[args.mode](args)
+    {"warm": warm, "run": run, "report": report}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,8 @@ from fa4gen.kernels.sm90.bwd_prepost import LOG2_E
 class BwdBarrier(enum.IntEnum):
     """Named barriers of the consumer warpgroups (0 is __syncthreads)."""
 
-    DS_FREE = 1  # both warpgroups' dQ MMAs have read the last dS
-    DS_FULL = 2  # both warpgroups have written this step's dS
-    DQ_FREE = 3  # (+ warpgroup) the staging buffer's earlier reduce-add has read it
-    DQ_FULL = 5  # (+ warpgroup) the warpgroup's dQ is staged for its reduce-add
+    DS_FULL = 1  # both warpgroups have written this step's dS; their dQ staging buffers are free
+    DQ_FULL = 2  # both warpgroups' dQ is staged (and their dQ MMAs have read dS)
 
 
 @dataclass(frozen=True)
@@ -220,8 +218,8 @@ class Sm90BwdStep:
                 grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
         store_as_operand_a(acc_s, f.p, pinned=False)
         store_as_operand_a(acc_dp, f.ds, pinned=False)
-        # dS^T to shared memory for dQ, once both warpgroups' last dQ MMAs have read it
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FREE), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
+        # dS^T to shared memory for dQ: both warpgroups' dQ MMAs of the step before were done
+        # before its DQ_FULL barrier (stage_dq)
         cute.copy(f.ds_copy, f.ds_source, f.ds_target)
         cute.arch.fence_proxy("async.shared", space="cta")
 
@@ -233,6 +231,7 @@ class Sm90BwdStep:
         for kb in cutlass.range_constexpr(cute.size(f.p, mode=[2])):
             cute.gemm(f.dkv, f.acc_dv, f.p[None, None, kb], f.tVrdO[None, None, kb, state.index], f.acc_dv)
         warpgroup.commit_group()
+        # every dS row is in, and (for stage_dq) every warpgroup's dQ staging buffer is free
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
         acc_dq = cute.make_rmem_tensor(f.thr_dq.partition_shape_C((self.tile_m, self.dqk)), Float32)
         for kb in cutlass.range_constexpr(cute.size(f.tQrdS, mode=[2])):
@@ -254,20 +253,19 @@ class Sm90BwdStep:
 
     @cute.jit
     def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32):
-        """This warpgroup's dQ into staging buffer ``stage`` (once its reduce-add of ``dq_stages``
-        steps ago has read it) and its TMA reduce-add into the accumulator, left running."""
+        """This warpgroup's dQ into staging buffer ``stage`` (free since ``products``) and its TMA
+        reduce-add into the accumulator, left running."""
         head, batch, m_block = at
         # the warp that issues the warpgroup's reduce-adds (a warp-uniform branch: a
         # thread-dependent one around the TMA serialized every wgmma of the kernel)
         issuing = f.warp == 0
-        if issuing:
-            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FREE) + f.warpgroup, number_of_threads=WARPGROUP_THREADS)
         staged = f.thr_dq.partition_C(smem.dq[None, None, stage])
         for i in cutlass.range_constexpr(cute.size(acc_dq)):
             staged[i] = acc_dq[i]
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL) + f.warpgroup, number_of_threads=WARPGROUP_THREADS)
+        # both warpgroups: this step's dQ is staged, and their dQ MMAs have read dS (products
+        # waited for them), so the next step may write it
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
         if issuing:
             atom, mdq = tma_dq
             box = self._dq_box()
@@ -281,6 +279,9 @@ class Sm90BwdStep:
             row_tile = m_block * (self.tile_m // WGMMA_M) + (f.warpgroup if cutlass.const_expr(by_rows) else 0)
             cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
             cute.arch.cp_async_bulk_commit_group()
+            # the next step's buffer is free once the reduce-add dq_stages - 1 steps back has read
+            # it (the next step's DS_FULL barrier tells the other warps)
+            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
 
     @cute.jit
     def dq_stores_done(self, f: BwdFragments):
