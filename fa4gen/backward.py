@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.planner import Plan, backward_workspace_shapes
-from fa4gen.runtime import _check_output, _check_tensor, validate_inputs
+from fa4gen.runtime import _check_output, _check_tensor, validate_inputs, variant_arguments
 from fa4gen.spec import AttentionSpec
+from fa4gen.variants import lower
 
 
 class BackwardKernel:
@@ -25,16 +26,18 @@ class BackwardKernel:
     strides: it is made contiguous where it has to be), lse the forward's (B, Hq, Sq) float32
     log-sum-exp and dlse its gradient, if the LSE was used. Returns dq, dk, dv of q's, k's and
     v's shapes and dtype (written into ``dq`` / ``dk`` / ``dv`` where given); dk and dv are
-    reduced over each KV head's query heads (GQA)."""
+    reduced over each KV head's query heads (GQA). ``variant``: the run-time values the forward
+    took (``alibi_slopes=``, ``rel_bias=``, ``aux=``), checked as the forward checks them."""
 
     def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
         self.spec, self.plan, self.key, self.path = spec, plan, key, path
         self._function = function
+        self._lowered = lower(spec)
 
     def __repr__(self) -> str:
         return f"BackwardKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
 
-    def __call__(self, q, k, v, out, dout, lse, dlse=None, *, dq=None, dk=None, dv=None):
+    def __call__(self, q, k, v, out, dout, lse, dlse=None, *, dq=None, dk=None, dv=None, **variant):
         import torch
 
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
@@ -60,10 +63,16 @@ class BackwardKernel:
         dq, dk, dv = grads
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             return dq, dk.zero_(), dv.zero_()
+        given = {name: variant.pop(name, None) for name in ("alibi_slopes", "rel_bias")}
+        aux = variant.pop("aux", None)
+        if variant:
+            raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
+        extras = variant_arguments(self.spec, q, k, given, aux, lowered=self._lowered)
         shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
         work = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
         lse, dlse = lse.contiguous(), dlse.contiguous()
-        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, work["dq_accum"], work["dpsum"], work["lse_log2"])
+        workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"])
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, *extras)
         return dq, dk, dv
 
 

@@ -56,10 +56,30 @@ def _fake_lse():
     return make_fake_tensor(cutlass.Float32, shape, stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
 
+def _fake_extras(spec: AttentionSpec) -> list[Any]:
+    """The variant's run-time arguments (fa4gen.variants.lower, one place for their order):
+    tensors compact row-major, sizes symbolic unless the spec fixes them; scalars."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    scalar_type = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    extras = []
+    for extra in lower(spec).extras:
+        element = scalar_type[extra.dtype]
+        if extra.is_tensor:
+            shape = tuple(dim if isinstance(dim, int) else cute.sym_int32() for dim in extra.shape)
+            order = tuple(reversed(range(len(shape))))
+            extras.append(make_fake_compact_tensor(element, shape, stride_order=order, assumed_align=4))
+        else:
+            extras.append(element(0))
+    return extras
+
+
 def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
-    lse_log2, stream): the workspaces compact fp32 (planner.backward_workspace_shapes), their padded head
-    dim static."""
+    lse_log2, *extras, stream): the workspaces compact fp32 (planner.backward_workspace_shapes),
+    their padded head dim static."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -75,7 +95,8 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     outputs = [_fake_bshd(spec, dim) for dim in (d, d, dv)]
     accum = workspace(plan.config.head_dim_padded)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, workspace(), workspace(), stream]
+    extras = _fake_extras(spec)
+    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, workspace(), workspace(), *extras, stream]
 
 
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
@@ -104,19 +125,7 @@ def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
         flags = make_fake_compact_tensor(cutlass.Int32, (slots, workspace[1]), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     num_ctas = cutlass.Int32(1)  # a run-time scalar: the SM count of the device it runs on
-    scalar_type = {"float32": cutlass.Float32, "int32": cutlass.Int32}
-    extras = []
-    for extra in lower(spec).extras:
-        element = scalar_type[extra.dtype]
-        if extra.is_tensor:  # compact row-major, sizes symbolic unless the spec fixes them
-            shape = tuple(dim if isinstance(dim, int) else cute.sym_int32() for dim in extra.shape)
-            extras.append(
-                make_fake_compact_tensor(
-                    element, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=4
-                )
-            )
-        else:
-            extras.append(element(0))
+    extras = _fake_extras(spec)
     return [
         bshd(spec.head_dim),
         bshd(spec.head_dim),

@@ -54,25 +54,37 @@ def forward(
     joined by commas: the schema has no list of strings, and spec names are identifiers)."""
     registered = _registered(kernel)
     spec = registered.spec
-    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k)
-    variant: dict[str, Any] = {name: t for name, t in zip(TENSOR_ARGUMENTS, tensors, strict=True) if t is not None}
-    if max_seqlen_q is not None:
-        variant["max_seqlen_q"] = max_seqlen_q
-    if max_seqlen_k is not None:
-        variant["max_seqlen_k"] = max_seqlen_k
-    if block_tensors:
-        from fa4gen.blockmask import BlockMask
-
-        variant["block_mask"] = BlockMask(*block_tensors, *block_sizes)
-    aux = dict(zip(_names(aux_names), aux_tensors, strict=True))
-    aux.update((n, _scalar(spec, n, value)) for n, value in zip(_names(scalar_names), scalar_values, strict=True))
-    if aux:
-        variant["aux"] = aux
+    variant = _variant(
+        spec,
+        (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k),
+        (max_seqlen_q, max_seqlen_k),
+        (block_tensors, block_sizes),
+        (aux_names, aux_tensors, scalar_names, scalar_values),
+    )
     with torch.no_grad():  # (the op's autograd formula is below: the kernel itself records nothing)
         result = registered.runner()(q, k, v, **variant)
     if spec.return_lse:
         return result
     return result, q.new_empty((0,), dtype=torch.float32)
+
+
+def _variant(spec: AttentionSpec, tensors, max_seqlens, blocks, named) -> dict[str, Any]:
+    """``AttentionKernel.__call__``'s keywords from the op's flat arguments (after q, k, v, kernel)."""
+    variant: dict[str, Any] = {name: t for name, t in zip(TENSOR_ARGUMENTS, tensors, strict=True) if t is not None}
+    for name, value in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlens, strict=True):
+        if value is not None:
+            variant[name] = value
+    block_tensors, block_sizes = blocks
+    if block_tensors:
+        from fa4gen.blockmask import BlockMask
+
+        variant["block_mask"] = BlockMask(*block_tensors, *block_sizes)
+    aux_names, aux_tensors, scalar_names, scalar_values = named
+    aux = dict(zip(_names(aux_names), aux_tensors, strict=True))
+    aux.update((n, _scalar(spec, n, value)) for n, value in zip(_names(scalar_names), scalar_values, strict=True))
+    if aux:
+        variant["aux"] = aux
+    return variant
 
 
 @forward.register_fake
@@ -101,34 +113,48 @@ def backward(
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
     kernel: str,
+    alibi_slopes: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    aux_names: str,
+    aux_tensors: list[torch.Tensor],
+    scalar_names: str,
+    scalar_values: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward ``kernel`` (a handle) ran: its backward kernel
+    """(dq, dk, dv) of the forward ``kernel`` (a handle) ran, with the run-time values it took
     (fa4gen.backward.BackwardKernel)."""
     registered = _registered(kernel)
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
-    return registered.backward()(q, k, v, out, dout, lse, dlse)
+    named = (aux_names, aux_tensors, scalar_names, scalar_values)
+    variant = _variant(registered.spec, (None, alibi_slopes, rel_bias, None, None, None), (None, None), ([], []), named)
+    return registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
 
 
 @backward.register_fake
-def _(q, k, v, out, dout, lse, dlse, kernel):
+def _(q, k, v, out, dout, lse, dlse, kernel, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# the forward op's arguments after q, k, v that the backward takes: kernel, alibi_slopes,
+# rel_bias, then the aux names, tensors, scalar names and values (fa4gen::forward's order)
+_BACKWARD_ARGUMENTS = (3, 5, 6, 14, 15, 16, 17)
+
+
 def _save_for_backward(ctx, inputs, output) -> None:
-    q, k, v, kernel = inputs[:4]
+    q, k, v = inputs[:3]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     # the gradients mirror the inputs: a list of Nones for each list argument, else None
-    ctx.kernel, ctx.lists = kernel, [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+    ctx.lists = [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+    ctx.arguments = [inputs[i] for i in _BACKWARD_ARGUMENTS]
 
 
 def _forward_gradients(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    spec = _registered(ctx.kernel).spec
+    spec = _registered(ctx.arguments[0]).spec
     if not spec.return_lse:  # (fa4gen.compile's kernels run the spec with its LSE under autograd)
         raise RuntimeError(f"the forward of {spec.summary()} ran without its LSE: it has no backward")
-    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, ctx.kernel)
+    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, *ctx.arguments)
     rest = tuple(None if n is None else [None] * n for n in ctx.lists[3:])
     return (dq, dk, dv, *rest)
 
@@ -207,14 +233,14 @@ def _training_handle(kernel_id: int) -> str:
     return live_object(kernel_id).training().forward_kernel.handle
 
 
-def call_with_grad(kernel, q, k, v):
+def call_with_grad(kernel, q, k, v, variant: dict[str, Any]):
     """``AttentionKernel.__call__`` under autograd: the op on the kernel of the spec with its LSE,
     whose autograd formula runs the backward; returns out (and lse if the spec returns it)."""
     if torch.compiler.is_compiling():
         handle = _training_handle(id(kernel))
     else:
         handle = kernel.training().forward_kernel.handle
-    out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(handle, {}))
+    out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(handle, variant))
     return (out, lse) if kernel.spec.return_lse else out
 
 

@@ -112,6 +112,11 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
     lowered = lower(spec)
     # aux tensors and scalars live on the kernel's run-time argument holder
     names = {extra.name: f"args.{extra.name}" for extra in lowered.extras}
+    score_grad_code = None  # the backward's d(score_mod)/d(score), derived from the parsed tree
+    if plan.is_backward and lowered.score is not None:
+        from fa4gen.expr_grad import derivative
+
+        score_grad_code = render_cute(derivative(lowered.score, "score"), names)
     source = template.render(
         version=__version__,
         spec=spec,
@@ -124,6 +129,7 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         scale=spec.scale,
         score_code=None if lowered.score is None else render_cute(lowered.score, names),
         score_text=None if lowered.score is None else lowered.score.text,
+        score_grad_code=score_grad_code,
         mask_code=None if lowered.mask is None else render_cute(lowered.mask, names),
         mask_text=None if lowered.mask is None else lowered.mask.text,
         extras=lowered.extras,

@@ -198,12 +198,20 @@ class AttentionKernel:
 
         if problem := backward_problem(self.spec):
             raise ValueError(f"autograd needs a backward, and this spec ({self.spec.summary()}) has none: {problem}")
-        given = sorted(name for name, value in (("out", out), ("lse", lse), *variant.items()) if value is not None)
+        given = [name for name, value in (("out", out), ("lse", lse)) if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: not supported while autograd records the call")
+            raise ValueError(f"{', '.join(given)}=: output buffers are not supported while autograd records the call")
+        trained = [f"{name}=" for name, value in variant.items() if getattr(value, "requires_grad", False)]
+        trained += [
+            f"aux[{name!r}]"
+            for name, value in (variant.get("aux") or {}).items()
+            if getattr(value, "requires_grad", False)
+        ]
+        if trained:
+            raise ValueError(f"{', '.join(trained)} requires grad: gradients of run-time tensors are not supported yet")
         if self.training is None:
             raise RuntimeError(f"{self!r} was not made by fa4gen.compile, which gives it its backward")
-        return call_with_grad(self, q, k, v)
+        return call_with_grad(self, q, k, v, variant)
 
     def _launch(
         self,

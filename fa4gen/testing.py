@@ -155,15 +155,16 @@ def _softmax_and_lse(scores):
     return probs, lse.squeeze(-1).float()
 
 
-def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = True, dlse=None):
+def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = True, dlse=None, args=None):
     """(dq, dk, dv) of the reference by torch.autograd, in float32 (``upcast``) or in the inputs'
-    dtype, for the loss sum(out * dout) (+ sum(lse * dlse) where given and the LSE is finite)."""
+    dtype, for the loss sum(out * dout) (+ sum(lse * dlse) where given and the LSE is finite);
+    ``args``: the variant's run-time values, as for ``reference``."""
     import torch
 
     dtype = torch.float32 if upcast else q.dtype
     with torch.enable_grad():  # (also from inside a backward pass, where autograd turned it off)
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = reference(spec, *leaves, upcast=upcast)
+        out, lse = reference(spec, *leaves, upcast=upcast, args=args)
         loss = (out.float() * dout.float()).sum()
         if dlse is not None:
             finite = torch.isfinite(lse)
@@ -172,14 +173,16 @@ def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = Tr
     return tuple(leaf.grad.float() for leaf in leaves)
 
 
-def assert_gradients_close(spec: AttentionSpec, q, k, v, dout, grads, *, dlse=None, factor: float = 2.0) -> dict:
+def assert_gradients_close(
+    spec: AttentionSpec, q, k, v, dout, grads, *, dlse=None, args=None, factor: float = 2.0
+) -> dict:
     """Raise AssertionError naming the gradient if dq, dk or dv miss factor x PyTorch's own error
     (autograd of the reference in the inputs' dtype against float32), plus a floor of 1e-4 of
     the largest gradient; return the errors."""
     import torch
 
-    exact = reference_gradients(spec, q, k, v, dout, dlse=dlse)
-    low = reference_gradients(spec, q, k, v, dout, upcast=False, dlse=dlse)
+    exact = reference_gradients(spec, q, k, v, dout, dlse=dlse, args=args)
+    low = reference_gradients(spec, q, k, v, dout, upcast=False, dlse=dlse, args=args)
     report = {}
     # the floor scales with the largest gradient: a gradient that cancels to ~0 (dK with one key)
     # is judged against the size of the terms it cancels, not against itself

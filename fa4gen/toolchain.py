@@ -92,7 +92,6 @@ HOST_ONLY_MODULES = frozenset(
         "custom_op.py",
         "handles.py",
         "hf.py",
-        "expr_grad.py",  # until a kernel reads it (the backward): test_layout fails the day one does
         "ops.py",
         "runtime.py",
         "testing.py",

@@ -280,7 +280,12 @@ def keyless_cases() -> dict[str, tuple[AttentionSpec, object]]:
     return cases
 
 
-AUTOGRAD_CASES = ("d128-gqa4-causal", "d64-gqa1-dense", "d128-lse")  # backward_specs run through autograd
+AUTOGRAD_CASES = (
+    "d128-gqa4-causal",
+    "d64-gqa1-dense",
+    "d128-lse",
+    "d64-relbias",
+)  # backward_specs run through autograd
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
 
@@ -299,4 +304,18 @@ def backward_specs() -> dict[str, AttentionSpec]:
     cases["d128-dv64"] = AttentionSpec(head_dim=128, head_dim_v=64, qhead_per_kvhead=2)
     cases["d80-scale"] = AttentionSpec(head_dim=80, softmax_scale=0.2, causal=True)
     cases["d128-lse"] = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, return_lse=True)
+    # score modifiers: their derivative with respect to the score comes from the expression
+    cases["d128-alibi-gqa2-causal"] = AttentionSpec(
+        head_dim=128, qhead_per_kvhead=2, causal=True, score_mod={"kind": "alibi"}
+    )
+    cases["d128-alibi-tensor"] = AttentionSpec(head_dim=128, score_mod={"kind": "alibi", "slopes": "tensor"})
+    cases["d64-relbias"] = AttentionSpec(head_dim=64, score_mod={"kind": "relative_bias", "max_distance": 64})
+    cases["d64-leaky-window"] = AttentionSpec(
+        head_dim=64,
+        qhead_per_kvhead=2,
+        causal=True,
+        window_left=300,
+        score_mod={"kind": "expression", "expr": "max(score, 0.2 * score) + 0.01 * abs(q_idx - kv_idx)"},
+    )
+    cases["expression-score"] = load_spec(SPECS_DIR / "expression-score.yaml")
     return cases

@@ -35,6 +35,7 @@ def _nvdisasm() -> str | None:
 # specs whose first-call plans (planner.first_call_plan) are cross-compiled too: one per kind of
 # loop body they collapse (mask runs with a left bound, causal mask runs, chain + interior first tile)
 FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
+SOFTCAP_BACKWARD_SPILLS = 32  # spill instructions a soft-capped backward may have (22-28 measured)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,10 @@ def test_sass_has_hgmma_and_no_spills(every_artifact):
         assert "HGMMA" in sass, f"{name}: no HGMMA in SASS"
         assert "UTMALDG" in sass, f"{name}: no TMA load in SASS"
         spills = re.findall(r"\b(?:STL|LDL)\b", sass)
-        assert not spills, f"{name}: {len(spills)} local-memory (spill) instructions"
+        # a soft-capped backward keeps tanh's values beside S^T and dP^T and spills a few
+        # registers (decision bwd-tiles): bounded, so that more fails
+        allowed = SOFTCAP_BACKWARD_SPILLS if result.plan.is_backward and result.plan.config.softcap else 0
+        assert len(spills) <= allowed, f"{name}: {len(spills)} local-memory (spill) instructions"
         # ptxas serializes every wgmma of a kernel it cannot prove safe to overlap (C7519,
         # C7520: a WARPGROUP.ARRIVE and a wait at each HGMMA; 0.57x at d128 on the H200)
         hgmma, arrive = sass.count("HGMMA"), sass.count("WARPGROUP.ARRIVE")

@@ -9,7 +9,7 @@ float32 (fa4gen.testing.assert_gradients_close).
 from __future__ import annotations
 
 import pytest
-from gpu_cases import AUTOGRAD_CASES, BACKWARD_SHAPES, backward_specs
+from gpu_cases import AUTOGRAD_CASES, BACKWARD_SHAPES, backward_specs, variant_inputs
 
 import fa4gen
 from fa4gen.api import training_spec
@@ -22,19 +22,13 @@ KV_HEADS = 2
 
 
 def _inputs(spec, batch: int, seqlen_q: int, seqlen_k: int, seed: int):
+    """q, k, v, the output's gradient and the variant's run-time values (gpu_cases.variant_inputs)."""
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dtype = getattr(torch, spec.dtype)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-
-    q = randn(batch, seqlen_q, KV_HEADS * spec.qhead_per_kvhead, spec.head_dim)
-    k = randn(batch, seqlen_k, KV_HEADS, spec.head_dim)
-    v = randn(batch, seqlen_k, KV_HEADS, spec.dv)
-    dout = randn(batch, seqlen_q, q.shape[2], spec.dv)
-    return q, k, v, dout
+    q, k, v, args = variant_inputs(spec, batch, seqlen_q, seqlen_k, seed, kv_heads=KV_HEADS)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dout = torch.randn(*q.shape[:-1], spec.dv, generator=gen, device="cuda").to(q.dtype)
+    return q, k, v, dout, args
 
 
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
@@ -44,16 +38,17 @@ def test_backward_matches_reference(name, shape):
     import torch
 
     spec = CASES[name]
-    q, k, v, dout = _inputs(spec, *shape, seed=hash((name, shape)) % 2**31)
-    out, lse = fa4gen.compile(training_spec(spec))(q, k, v)
+    q, k, v, dout, args = _inputs(spec, *shape, seed=hash((name, shape)) % 2**31)
+    out, lse = fa4gen.compile(training_spec(spec))(q, k, v, **args)
     dlse = None
     if spec.return_lse:
         dlse = torch.randn(lse.shape, device="cuda", dtype=torch.float32)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    result = fa4gen.compile_backward(spec)(q, k, v, out, dout, lse, dlse, dq=grads[0], dk=grads[1], dv=grads[2])
+    backward = fa4gen.compile_backward(spec)
+    result = backward(q, k, v, out, dout, lse, dlse, dq=grads[0], dk=grads[1], dv=grads[2], **args)
     assert all(got is given for got, given in zip(result, grads, strict=True))
     torch.cuda.synchronize()
-    assert_gradients_close(spec, q, k, v, dout, grads, dlse=dlse)
+    assert_gradients_close(spec, q, k, v, dout, grads, dlse=dlse, args=args)
 
 
 @pytest.mark.parametrize("name", AUTOGRAD_CASES)
@@ -63,16 +58,16 @@ def test_autograd(name):
     import torch
 
     spec = CASES[name]
-    q, k, v, dout = _inputs(spec, 2, 333, 555, seed=7)
+    q, k, v, dout, args = _inputs(spec, 2, 333, 555, seed=7)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    result = fa4gen.compile(spec)(*leaves)
+    result = fa4gen.compile(spec)(*leaves, **args)
     out = result[0] if spec.return_lse else result
     loss = (out.float() * dout.float().transpose(1, 2).contiguous().transpose(1, 2)).sum()
     if spec.return_lse:
         loss = loss + result[1].sum()
     loss.backward()
     dlse = torch.ones_like(result[1]) if spec.return_lse else None
-    assert_gradients_close(spec, q, k, v, dout, [t.grad for t in leaves], dlse=dlse)
+    assert_gradients_close(spec, q, k, v, dout, [t.grad for t in leaves], dlse=dlse, args=args)
 
 
 def test_deterministic_dk_dv():
@@ -80,7 +75,7 @@ def test_deterministic_dk_dv():
     import torch
 
     spec = CASES["d128-gqa4-causal"]
-    q, k, v, dout = _inputs(spec, 2, 1000, 1000, seed=11)
+    q, k, v, dout, _ = _inputs(spec, 2, 1000, 1000, seed=11)
     out, lse = fa4gen.compile(training_spec(spec))(q, k, v)
     backward = fa4gen.compile_backward(spec)
     first = backward(q, k, v, out, dout, lse)
@@ -96,7 +91,7 @@ def test_training_step_under_torch_compile_and_in_a_cuda_graph():
 
     spec = CASES["d128-gqa4-causal"]
     kernel = fa4gen.compile(spec)
-    q, k, v, dout = _inputs(spec, 2, 257, 257, seed=5)
+    q, k, v, dout, _ = _inputs(spec, 2, 257, 257, seed=5)
 
     def step(q, k, v):
         return (kernel(q, k, v).float() * dout.float()).sum()

@@ -364,5 +364,6 @@ def test_the_backward_op_is_registered_with_its_fake():
     schema = str(torch.ops.fa4gen.backward.default._schema)
     assert schema.startswith("fa4gen::backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse")
     q, k, v = _inputs(1, 5, 7, fa4gen.AttentionSpec(head_dim=16), device="meta")
-    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, q, q, q.new_empty(1, 2, 5).float(), None, "no-such-kernel")
+    lse = q.new_empty(1, 2, 5).float()
+    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, q, q, lse, None, "no-such-kernel", None, None, "", [], "", [])
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 
 from fa4gen.arch import MMA_K_GRANULE
+from fa4gen.expr import ExpressionError
+from fa4gen.expr_grad import derivative
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
 from fa4gen.planner.model import Plan
 from fa4gen.planner.sm90_tables import SM90_BWD_REGISTER_SPLIT, SM90_BWD_TILES
 from fa4gen.spec import AttentionSpec
+from fa4gen.variants import lower
 
 KERNEL = "HopperAttentionBackward"
 LOG2E = math.log2(math.e)
@@ -27,8 +30,12 @@ def backward_problem(spec: AttentionSpec) -> str:
     """Why ``spec`` has no backward kernel on sm_90a ("" when it has one)."""
     if spec.mask is not None:
         return f"mask.kind={spec.mask.kind}: the backward supports causal and window masks so far"
-    if spec.score_mod is not None:
-        return f"score_mod.kind={spec.score_mod.kind}: the backward has no score modifiers yet (softcap it has)"
+    lowered = lower(spec)
+    if lowered.score is not None:
+        try:
+            derivative(lowered.score, "score")
+        except ExpressionError as exc:
+            return f"score_mod: no derivative with respect to score: {str(exc).splitlines()[0]}"
     if spec.sinks:
         return "sinks=true: the backward has no sink gradients yet"
     width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
@@ -44,13 +51,17 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
     row = next(r for r in SM90_BWD_TILES if max(dqk, dv) <= r.max_head_dim)
     producer_regs, consumer_regs = SM90_BWD_REGISTER_SPLIT
+    lowered = lower(spec)
     variant = dict(
         head_dim=spec.head_dim,
         head_dim_v=spec.dv,
         qhead_per_kvhead=spec.qhead_per_kvhead,
         softmax_scale=spec.scale,
-        scale_log2=spec.scale * LOG2E,
+        # a modified score leaves score_grad in natural-log units, as in the forward
+        scale_log2=LOG2E if lowered.score is not None else spec.scale * LOG2E,
         softcap=spec.softcap,
+        score_mod=lowered.score is not None,
+        extra_names=tuple(extra.name for extra in lowered.extras),
         window_left=spec.left_bound,
         window_right=spec.right_bound,
     )

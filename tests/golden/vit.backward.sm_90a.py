@@ -9,10 +9,15 @@
 # plan: sm_90a, HopperAttentionBackward with CONFIG below (`fa4gen plan --backward` gives the reasons)
 import cuda.bindings.driver as cuda
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32
 
 from fa4gen.kernels.sm90.bwd import HopperAttentionBackward
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
+
+SCORE_GRAD = None
+
 
 # the planner's Sm90BwdConfig, whole: every compile-time constant the kernels read
 CONFIG = Sm90BwdConfig(
@@ -22,6 +27,8 @@ CONFIG = Sm90BwdConfig(
     softmax_scale=0.125,
     scale_log2=0.18033688011112042,
     softcap=None,
+    score_mod=False,
+    extra_names=(),
     window_left=None,
     window_right=None,
     head_dim_padded=64,
@@ -37,12 +44,14 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD)
 
 
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, do: cute.Tensor, lse: cute.Tensor,
           dlse: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, dq_accum: cute.Tensor, dpsum: cute.Tensor,
-          lse_log2: cute.Tensor, stream: cuda.CUstream):
-    """The exported function: the preprocess, main and postprocess launches on ``stream``."""
+          lse_log2: cute.Tensor,
+          stream: cuda.CUstream):
+    """The exported function: the preprocess, main and postprocess launches on ``stream``, the
+    variant's extras gathered into one tuple."""
     make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, (), stream)

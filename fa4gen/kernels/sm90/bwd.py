@@ -20,6 +20,8 @@ lengths are run-time values.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -32,6 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.masking import KeyTileRange
+from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
 from fa4gen.kernels.sm90.bwd_prepost import Sm90BwdPrePost
 from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
@@ -45,10 +48,13 @@ ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     """One compiled backward; ``config`` is the planner's Sm90BwdConfig."""
 
-    def __init__(self, config: Sm90BwdConfig):
+    def __init__(self, config: Sm90BwdConfig, score_grad: Optional[Callable] = None):
         problem = bwd_config_problem(config)
         assert not problem, problem
+        assert (score_grad is not None) == config.score_mod, "a score modifier comes with its score_grad"
         self.cfg = config
+        # (value, d value / d scaled score) of the variant's score modifier, from the emitted module
+        self.score_grad = score_grad
         self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_consumers = config.num_consumer_warpgroups
@@ -103,7 +109,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        self.kernel(*tmas, mdK, mdV, *layouts).launch(
+        self.kernel(*tmas, mdK, mdV, extras, *layouts).launch(
             grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2], batches),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
@@ -192,6 +198,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tma_dq,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        extras: tuple,
         sQ_layout,
         sdO_layout,
         sK_layout,
@@ -235,7 +242,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
-            self.consume(f, smem, pipes, where, tma_dq, seqlen_q, seqlen_k)
+            args = VariantArgs(self.cfg.extra_names, extras)
+            self.consume(f, smem, pipes, where, tma_dq, (seqlen_q, seqlen_k, args))
             self.store_dk_dv(f, mdK, mdV, n_block, kv_head, batch, seqlen_k)
 
     @cute.jit
@@ -278,8 +286,9 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         )
 
     @cute.jit
-    def consume(self, f, smem: BwdSmem, pipes, where, tma_dq, seqlen_q, seqlen_k):
-        """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``)."""
+    def consume(self, f, smem: BwdSmem, pipes, where, tma_dq, sizes):
+        """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``);
+        ``sizes``: (Sq, Sk, the variant's run-time values)."""
         pipe_kv, pipe_q, pipe_do = pipes
         n_block, kv_head, batch, m_min, count = where
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -288,7 +297,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         for step in cutlass.range(self.cfg.qhead_per_kvhead * count, unroll=1):
             head = kv_head * self.cfg.qhead_per_kvhead + step // count
             m_block = m_min + step % count
-            self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, m_block), seqlen_q, seqlen_k)
+            self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, head, batch, m_block), sizes)
             acc_dq = self.products(f, pipe_do, state)
             self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages)
             self.dk_done(pipe_q, state)

@@ -36,6 +36,8 @@ class Sm90BwdConfig(BaseModel):
     softmax_scale: float  # dQ and dK are scaled by it (dS is the gradient of the scaled score)
     scale_log2: float  # multiplier of raw scores before exp2 (softmax_scale * log2(e))
     softcap: float | None  # scores were soft-capped: dS carries tanh's derivative
+    score_mod: bool  # an expression score modifier: its value and derivative come from score_grad
+    extra_names: tuple[str, ...]  # the variant's run-time arguments, in order (fa4gen.variants.lower)
     window_left: int | None  # keys before a query's position it sees (None: all)
     window_right: int | None  # keys after it (0: causal; None: all)
     # the schedule (from the planner)

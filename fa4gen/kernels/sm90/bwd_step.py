@@ -3,9 +3,10 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
 
 1. S^T = K.Q^T and dP^T = V.dO^T (keys on the MMA's M side, so the probabilities are already
    the A operand of dV's product: FA3/FA4's SdP_swapAB);
-2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum) (with a
-   soft cap, times its tanh's derivative); the rows' LSE and dPsum come from shared memory,
-   loaded with Q and dO;
+2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum); with a
+   soft cap or a score modifier, P^T from the modified score and dS^T times its derivative
+   (the modifier's ``score_grad``, derived from its expression by fa4gen.expr_grad); the rows'
+   LSE and dPsum come from shared memory, loaded with Q and dO;
 3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
@@ -163,16 +164,16 @@ class Sm90BwdStep:
     @cute.jit
     def column_values(self, rows: cute.Tensor, stage: Int32, coords, row_shape):
         """This thread's columns' entries of a staged (tile_m, stages) row table in shared
-        memory (LSE, dPsum), as one vector shaped like a row of the S^T view."""
+        memory (LSE, dPsum), in registers shaped like a row of the S^T view."""
         values = cute.make_rmem_tensor(cute.make_layout(row_shape), Float32)
         for c in cutlass.range_constexpr(cute.size(values)):
             values[c] = rows[coords[0, c][1], stage]
-        return values.load()
+        return values
 
     @cute.jit
-    def scores_and_grads(self, f: BwdFragments, smem: BwdSmem, pipe_q, pipe_do, state, at, seqlen_q, seqlen_k):
-        """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into sdS)."""
-        n_block, m_block = at
+    def scores_and_grads(self, f: BwdFragments, smem: BwdSmem, pipe_q, pipe_do, state, at, sizes):
+        """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into
+        sdS); ``at``: (key tile, query head, batch, query tile)."""
         acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         pipe_q.consumer_wait(state)
@@ -186,42 +187,92 @@ class Sm90BwdStep:
             mma = f.sdp_first if kb == 0 else f.sdp_rest
             cute.gemm(mma, acc_dp, f.tPrV[None, None, kb, 0], f.tPrdO[None, None, kb, state.index], acc_dp)
         warpgroup.commit_group()
-        scores, grads, coords = rows_cols_view(acc_s), rows_cols_view(acc_dp), rows_cols_view(f.coords_s)
-        row_shape = scores[0, None].shape
-        lse = self.column_values(smem.lse, state.index, coords, row_shape)
-        offsets = column_offsets(coords, row_shape)
-        first_col = m_block * self.tile_m + coords[0, 0][1]
-        check_start = self.cfg.window_right is not None  # (the lowest query seeing a key is 0 otherwise)
-        if cutlass.const_expr(self.cfg.softcap is None):
-            warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
-                visible = visible_columns(offsets, first_col, lo, hi, check_start)
-                probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
-                scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
-            warpgroup.wait_group(0)
-            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape)
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
+        scores, grads = rows_cols_view(acc_s), rows_cols_view(acc_dp)
+        if cutlass.const_expr(self.score_grad is not None):
+            self.modified_grads(f, smem, state, scores, grads, at, sizes)
+        elif cutlass.const_expr(self.cfg.softcap is not None):
+            self.capped_grads(f, smem, state, scores, grads, at, sizes)
         else:
-            warpgroup.wait_group(0)
-            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape)
-            softcap = self.cfg.softcap
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
-                visible = visible_columns(offsets, first_col, lo, hi, check_start)
-                # the forward's score is softcap * tanh(s * scale / softcap); its derivative 1 - tanh^2
-                t = cute.math.tanh(scores[r, None].load() * Float32(self.cfg.softmax_scale / softcap), fastmath=True)
-                probs = cute.math.exp2(t * Float32(softcap * LOG2_E) - lse, fastmath=True)
-                probs = cute.where(visible, probs, Float32(0.0))
-                scores[r, None].store(probs)
-                grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
+            self.plain_grads(f, smem, state, scores, grads, at, sizes)
         store_as_operand_a(acc_s, f.p, pinned=False)
         store_as_operand_a(acc_dp, f.ds, pinned=False)
         # dS^T to shared memory for dQ: both warpgroups' dQ MMAs of the step before were done
         # before its DQ_FULL barrier (stage_dq)
         cute.copy(f.ds_copy, f.ds_source, f.ds_target)
         cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def visible_of_row(self, coords, r: int, at, sizes):
+        """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a vector."""
+        n_block, _, _, m_block = at
+        seqlen_q, seqlen_k, _ = sizes
+        offsets = column_offsets(coords, coords[0, None].shape)
+        first_col = m_block * self.tile_m + coords[0, 0][1]
+        lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
+        # (the lowest query that sees a key is 0 without a right bound)
+        return visible_columns(offsets, first_col, lo, hi, self.cfg.window_right is not None)
+
+    @cute.jit
+    def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
+        """P^T = exp2(S^T * scale_log2 - LSE) while dP^T finishes, then dS^T = P^T (dP^T - dPsum)."""
+        coords = rows_cols_view(f.coords_s)
+        row_shape = scores[0, None].shape
+        lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
+        warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            visible = self.visible_of_row(coords, r, at, sizes)
+            probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
+            scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
+        warpgroup.wait_group(0)
+        dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
+
+    @cute.jit
+    def capped_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
+        """The forward's score is softcap * tanh(s * scale / softcap): P^T from it, and dS^T times
+        the derivative 1 - tanh^2 (taken before the mask: masked scores are never used). The
+        rows' LSE and dPsum are read per row (held for the whole tile beside tanh's values they
+        spilled more: decision bwd-tiles)."""
+        coords = rows_cols_view(f.coords_s)
+        row_shape = scores[0, None].shape
+        warpgroup.wait_group(0)
+        softcap = self.cfg.softcap
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
+            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
+            visible = self.visible_of_row(coords, r, at, sizes)
+            t = cute.math.tanh(scores[r, None].load() * Float32(self.cfg.softmax_scale / softcap), fastmath=True)
+            probs = cute.math.exp2(t * Float32(softcap * LOG2_E) - lse, fastmath=True)
+            probs = cute.where(visible, probs, Float32(0.0))
+            scores[r, None].store(probs)
+            grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
+
+    @cute.jit
+    def modified_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
+        """A score modifier: per score, its value (P^T from it) and its derivative with respect to
+        the scaled score (dS^T times it), from the emitted ``score_grad``; the rows' LSE and
+        dPsum read from shared memory where used (held in registers beside the modifier's own
+        values they spilled)."""
+        n_block, head, batch, m_block = at
+        seqlen_q, seqlen_k, args = sizes
+        coords = rows_cols_view(f.coords_s)
+        warpgroup.wait_group(0)
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            key = n_block * self.tile_n + coords[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                column = coords[0, c][1]
+                value, slope = self.score_grad(
+                    scores[r, c], batch, head, m_block * self.tile_m + column, key, seqlen_q, seqlen_k, args
+                )
+                prob = cute.math.exp2(value * Float32(LOG2_E) - smem.lse[column, state.index], fastmath=True)
+                scores[r, c] = prob
+                grads[r, c] = prob * (grads[r, c] - smem.dpsum[column, state.index]) * slope
+            # masked last, as one select per row (no branch per score): whatever the modifier
+            # gives outside the mask is dropped
+            visible = self.visible_of_row(coords, r, at, sizes)
+            scores[r, None].store(cute.where(visible, scores[r, None].load(), Float32(0.0)))
+            grads[r, None].store(cute.where(visible, grads[r, None].load(), Float32(0.0)))
 
     @cute.jit
     def products(self, f: BwdFragments, pipe_do, state):
