@@ -10,6 +10,7 @@ every other kernel.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,15 @@ from fa4gen.variants import lower
 
 
 class BackwardKernel:
-    """A compiled backward: ``dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse=None)``.
+    """A compiled backward: ``dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse=None)`` (and the
+    sink logits' gradient fourth, for a spec with sinks).
 
     q, k, v, out are the forward's (see ``AttentionKernel``), dout the gradient of out (any
     strides: it is made contiguous where it has to be), lse the forward's (B, Hq, Sq) float32
     log-sum-exp and dlse its gradient, if the LSE was used. Returns dq, dk, dv of q's, k's and
     v's shapes and dtype (written into ``dq`` / ``dk`` / ``dv`` where given); dk and dv are
     reduced over each KV head's query heads (GQA). ``variant``: the run-time values the forward
-    took (``alibi_slopes=``, ``rel_bias=``, ``aux=``), checked as the forward checks them."""
+    took (``sinks=``, ``alibi_slopes=``, ``rel_bias=``, ``aux=``), checked as the forward checks them."""
 
     def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
         self.spec, self.plan, self.key, self.path = spec, plan, key, path
@@ -62,8 +64,9 @@ class BackwardKernel:
             grads.append(given)
         dq, dk, dv = grads
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
-            return dq, dk.zero_(), dv.zero_()
-        given = {name: variant.pop(name, None) for name in ("alibi_slopes", "rel_bias")}
+            empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
+            return dq, dk.zero_(), dv.zero_(), *empty
+        given = {name: variant.pop(name, None) for name in ("sinks", "alibi_slopes", "rel_bias")}
         aux = variant.pop("aux", None)
         if variant:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
@@ -73,7 +76,19 @@ class BackwardKernel:
         lse, dlse = lse.contiguous(), dlse.contiguous()
         workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"])
         self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, *extras)
+        if self.spec.sinks:
+            return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"])
         return dq, dk, dv
+
+
+def sink_gradient(sinks, lse_log2, dpsum):
+    """The sink logits' gradient, (Hq,) float32: each row gave its sink probability
+    exp(sink - LSE) and no value, so d sink = -sum over rows of that probability times the row's
+    dPsum (rowsum(dO * O) - dLSE); padded rows have LSE +inf and dPsum 0."""
+    import torch
+
+    probs = torch.exp2(sinks.float().view(1, -1, 1) * math.log2(math.e) - lse_log2)
+    return -(probs * dpsum).sum(dim=(0, 2))
 
 
 def _described(t: Any) -> str:

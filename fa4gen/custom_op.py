@@ -113,31 +113,37 @@ def backward(
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
     kernel: str,
+    sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
     rel_bias: torch.Tensor | None,
     aux_names: str,
     aux_tensors: list[torch.Tensor],
     scalar_names: str,
     scalar_values: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward ``kernel`` (a handle) ran, with the run-time values it took
-    (fa4gen.backward.BackwardKernel)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of the forward ``kernel`` (a handle) ran, with the run-time values it
+    took (fa4gen.backward.BackwardKernel); dsinks is empty without sinks."""
     registered = _registered(kernel)
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
     named = (aux_names, aux_tensors, scalar_names, scalar_values)
-    variant = _variant(registered.spec, (None, alibi_slopes, rel_bias, None, None, None), (None, None), ([], []), named)
-    return registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
+    variant = _variant(
+        registered.spec, (sinks, alibi_slopes, rel_bias, None, None, None), (None, None), ([], []), named
+    )
+    grads = registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
+    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 @backward.register_fake
-def _(q, k, v, out, dout, lse, dlse, kernel, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(q, k, v, out, dout, lse, dlse, kernel, sinks, *args):
+    dsinks = q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-# the forward op's arguments after q, k, v that the backward takes: kernel, alibi_slopes,
+# the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
 # rel_bias, then the aux names, tensors, scalar names and values (fa4gen::forward's order)
-_BACKWARD_ARGUMENTS = (3, 5, 6, 14, 15, 16, 17)
+_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 14, 15, 16, 17)
+SINKS_INPUT = 4
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
@@ -154,8 +160,10 @@ def _forward_gradients(ctx, dout, dlse):
     spec = _registered(ctx.arguments[0]).spec
     if not spec.return_lse:  # (fa4gen.compile's kernels run the spec with its LSE under autograd)
         raise RuntimeError(f"the forward of {spec.summary()} ran without its LSE: it has no backward")
-    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, *ctx.arguments)
-    rest = tuple(None if n is None else [None] * n for n in ctx.lists[3:])
+    dq, dk, dv, dsinks = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, *ctx.arguments)
+    rest = [None if n is None else [None] * n for n in ctx.lists[3:]]
+    if ctx.arguments[1] is not None:  # the sinks' gradient, in their dtype
+        rest[SINKS_INPUT - 3] = dsinks.to(ctx.arguments[1].dtype)
     return (dq, dk, dv, *rest)
 
 

@@ -90,8 +90,9 @@ def attention(spec: AttentionSpec, q, k, v, *, out=None, lse=None, **variant):
     call compiles the kernel; run eagerly it launches the kernel directly (no dispatcher in the
     way of a decode step). Same arguments and results as ``AttentionKernel.__call__``."""
     if torch.compiler.is_compiling():
-        if _records_grad(q, k, v) and not (out is not None or lse is not None or variant):
-            out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(_traced_training_handle(id(spec)), {}))
+        if _records_grad(q, k, v, variant.get("sinks")) and out is None and lse is None:
+            handle = _traced_training_handle(id(spec))
+            out, lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(handle, variant))
             return (out, lse) if spec.return_lse else out
         return call(_traced_handle(id(spec)), spec, q, k, v, out=out, lse=lse, **variant)
     handle = spec_handle(spec)

@@ -181,7 +181,7 @@ class AttentionKernel:
         While torch.compile traces (or with fake / meta tensors) the call is the custom op
         ``torch.ops.fa4gen.forward`` (fa4gen.ops), which Dynamo and CUDA graphs treat as one
         opaque kernel; eager calls launch directly."""
-        if _records_grad(q, k, v):
+        if _records_grad(q, k, v, variant.get("sinks")):
             return self._with_grad(q, k, v, out, lse, variant)
         if _traced(q):
             from fa4gen.custom_op import call
@@ -201,7 +201,9 @@ class AttentionKernel:
         given = [name for name, value in (("out", out), ("lse", lse)) if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)}=: output buffers are not supported while autograd records the call")
-        trained = [f"{name}=" for name, value in variant.items() if getattr(value, "requires_grad", False)]
+        trained = [
+            f"{name}=" for name, value in variant.items() if name != "sinks" and getattr(value, "requires_grad", False)
+        ]
         trained += [
             f"aux[{name!r}]"
             for name, value in (variant.get("aux") or {}).items()
@@ -347,11 +349,12 @@ def _traced(q) -> bool:
     return isinstance(q, torch.Tensor) and (type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta)
 
 
-def _records_grad(q, k, v) -> bool:
-    """Whether autograd records this call (grad mode on and an input requiring a gradient)."""
+def _records_grad(*inputs) -> bool:
+    """Whether autograd records this call (grad mode on and an input requiring a gradient: q, k,
+    v or the sink logits)."""
     import torch
 
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 def op_handle(kernel: AttentionKernel) -> str:

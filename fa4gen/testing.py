@@ -158,13 +158,18 @@ def _softmax_and_lse(scores):
 def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = True, dlse=None, args=None):
     """(dq, dk, dv) of the reference by torch.autograd, in float32 (``upcast``) or in the inputs'
     dtype, for the loss sum(out * dout) (+ sum(lse * dlse) where given and the LSE is finite);
-    ``args``: the variant's run-time values, as for ``reference``."""
+    ``args``: the variant's run-time values, as for ``reference``. With sinks, the sink logits'
+    gradient (float32) comes fourth."""
     import torch
 
     dtype = torch.float32 if upcast else q.dtype
+    args = dict(args or {})
     with torch.enable_grad():  # (also from inside a backward pass, where autograd turned it off)
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = reference(spec, *leaves, upcast=upcast, args=args)
+        if spec.sinks:
+            args["sinks"] = args["sinks"].detach().float().requires_grad_()
+            leaves.append(args["sinks"])
+        out, lse = reference(spec, *leaves[:3], upcast=upcast, args=args)
         loss = (out.float() * dout.float()).sum()
         if dlse is not None:
             finite = torch.isfinite(lse)
@@ -176,7 +181,7 @@ def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = Tr
 def assert_gradients_close(
     spec: AttentionSpec, q, k, v, dout, grads, *, dlse=None, args=None, factor: float = 2.0
 ) -> dict:
-    """Raise AssertionError naming the gradient if dq, dk or dv miss factor x PyTorch's own error
+    """Raise AssertionError naming the gradient if dq, dk, dv (or the sinks') miss factor x PyTorch's own error
     (autograd of the reference in the inputs' dtype against float32), plus a floor of 1e-4 of
     the largest gradient; return the errors."""
     import torch
@@ -187,7 +192,8 @@ def assert_gradients_close(
     # the floor scales with the largest gradient: a gradient that cancels to ~0 (dK with one key)
     # is judged against the size of the terms it cancels, not against itself
     scale = max((ref.abs().max().item() for ref in exact if ref.numel()), default=0.0)
-    for name, got, ref, own in zip(("dq", "dk", "dv"), grads, exact, low, strict=True):
+    names = ("dq", "dk", "dv", "dsinks")[: len(exact)]
+    for name, got, ref, own in zip(names, grads, exact, low, strict=True):
         assert not torch.isnan(got).any(), f"{name} has NaN (poisoned entries were not overwritten?)"
         err = (got.float() - ref).abs().max().item() if ref.numel() else 0.0
         bound = factor * ((own - ref).abs().max().item() if ref.numel() else 0.0) + 1e-4 * scale + 1e-6

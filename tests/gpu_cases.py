@@ -285,6 +285,8 @@ AUTOGRAD_CASES = (
     "d64-gqa1-dense",
     "d128-lse",
     "d64-relbias",
+    "d64-gqa4-causal",
+    "gpt-oss-sinks",
 )  # backward_specs run through autograd
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
@@ -318,4 +320,5 @@ def backward_specs() -> dict[str, AttentionSpec]:
         score_mod={"kind": "expression", "expr": "max(score, 0.2 * score) + 0.01 * abs(q_idx - kv_idx)"},
     )
     cases["expression-score"] = load_spec(SPECS_DIR / "expression-score.yaml")
+    cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
     return cases

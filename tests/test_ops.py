@@ -270,13 +270,13 @@ class ReferenceBackward:
     def __init__(self, spec):
         self.spec, self.calls = spec, 0
 
-    def __call__(self, q, k, v, out, dout, lse, dlse=None):
+    def __call__(self, q, k, v, out, dout, lse, dlse=None, **variant):
         self.calls += 1
-        grads = closed_form_gradients(self.spec, q, k, v, dout, dlse)
-        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+        grads = closed_form_gradients(self.spec, q, k, v, dout, dlse, variant.get("sinks"))
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, variant.get("sinks")), strict=False))
 
 
-def closed_form_gradients(spec, q, k, v, dout, dlse=None):
+def closed_form_gradients(spec, q, k, v, dout, dlse=None, sinks=None):
     """dq, dk, dv of softmax attention written out (no autograd: a custom op's implementation runs
     where autograd records nothing), fp32: dP = dO.V^T, dS = P * (dP - rowsum(dO * O) + dLSE),
     times tanh's derivative under a soft cap, dQ = scale * dS.K, dK = scale * dS^T.Q, dV = P^T.dO,
@@ -293,7 +293,12 @@ def closed_form_gradients(spec, q, k, v, dout, dlse=None):
         t = torch.tanh(scores / spec.softcap)
         scores, slope = spec.softcap * t, 1 - t * t
     visible = visible_mask(spec, q.shape[1], k.shape[1], device=q.device)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    sink_probs = probs[..., -1] if sinks is not None else None
+    probs = probs[..., : kh.shape[2]]
     out = probs @ vh
     dp = do @ vh.transpose(-1, -2)
     rowsum = (do * out).sum(-1, keepdim=True)
@@ -308,7 +313,10 @@ def closed_form_gradients(spec, q, k, v, dout, dlse=None):
         b, h, s, d = t.shape
         return t.view(b, h // group, group, s, d).sum(2)
 
-    return dq.transpose(1, 2), per_kv_head(dk).transpose(1, 2), per_kv_head(dv).transpose(1, 2)
+    grads = (dq.transpose(1, 2), per_kv_head(dk).transpose(1, 2), per_kv_head(dv).transpose(1, 2))
+    if sinks is None:
+        return grads
+    return (*grads, -(sink_probs * rowsum.squeeze(-1)).sum(dim=(0, 2)))
 
 
 @pytest.fixture
@@ -327,8 +335,9 @@ def reference_training(reference_kernels, monkeypatch):
     [
         fa4gen.AttentionSpec(head_dim=64, qhead_per_kvhead=2, causal=True),
         fa4gen.AttentionSpec(head_dim=32, window_left=5, return_lse=True),
+        fa4gen.AttentionSpec(head_dim=32, qhead_per_kvhead=2, causal=True, window_left=7, sinks=True),
     ],
-    ids=["causal-gqa2", "window-lse"],
+    ids=["causal-gqa2", "window-lse", "window-sinks"],
 )
 def test_training_through_torch_compile(reference_training, spec):
     """fullgraph torch.compile of a training step: the op's autograd formula saves out and the LSE
@@ -338,9 +347,11 @@ def test_training_through_torch_compile(reference_training, spec):
 
     q, k, v = _inputs(2, 19, 23, spec, seed=3)
     dout = torch.randn(2, 19, q.shape[2], spec.dv).to(torch.bfloat16)
+    sinks = torch.randn(q.shape[2]).requires_grad_() if spec.sinks else None
+    variant = {"sinks": sinks} if spec.sinks else {}
 
     def step(q, k, v):
-        result = ops.attention(spec, q, k, v)
+        result = ops.attention(spec, q, k, v, **variant)
         out = result[0] if spec.return_lse else result
         loss = (out.float() * dout.float()).sum()
         return loss + result[1].sum() if spec.return_lse else loss
@@ -348,12 +359,14 @@ def test_training_through_torch_compile(reference_training, spec):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
     dlse = torch.ones(2, q.shape[2], 19) if spec.return_lse else None
-    want = reference_gradients(spec, q, k, v, dout, dlse=dlse)
-    for got, expected in zip((t.grad for t in leaves), want, strict=True):
-        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    want = reference_gradients(spec, q, k, v, dout, dlse=dlse, args=variant)
+    got = [t.grad for t in leaves] + ([sinks.grad] if spec.sinks else [])
+    for found, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(found.float(), expected, atol=2e-2, rtol=2e-2)
     # the written-out gradients agree with autograd of the reference (so the stand-in is right)
-    for got, expected in zip(closed_form_gradients(spec, q, k, v, dout, dlse), want, strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    closed = closed_form_gradients(spec, q, k, v, dout, dlse, sinks.detach() if spec.sinks else None)
+    for found, expected in zip(closed, want, strict=True):
+        torch.testing.assert_close(found, expected, atol=1e-4, rtol=1e-4)
     (backward,) = reference_training.values()
     assert backward.calls == 1
     explained = torch._dynamo.explain(step)(*[t.clone().requires_grad_() for t in (q, k, v)])
@@ -365,5 +378,8 @@ def test_the_backward_op_is_registered_with_its_fake():
     assert schema.startswith("fa4gen::backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse")
     q, k, v = _inputs(1, 5, 7, fa4gen.AttentionSpec(head_dim=16), device="meta")
     lse = q.new_empty(1, 2, 5).float()
-    dq, dk, dv = torch.ops.fa4gen.backward(q, k, v, q, q, lse, None, "no-such-kernel", None, None, "", [], "", [])
+    dq, dk, dv, dsinks = torch.ops.fa4gen.backward(
+        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, "", [], "", []
+    )
+    assert dsinks.shape == (0,)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -36,8 +36,6 @@ def backward_problem(spec: AttentionSpec) -> str:
             derivative(lowered.score, "score")
         except ExpressionError as exc:
             return f"score_mod: no derivative with respect to score: {str(exc).splitlines()[0]}"
-    if spec.sinks:
-        return "sinks=true: the backward has no sink gradients yet"
     width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
     if width > SM90_BWD_TILES[-1].max_head_dim:
         return f"head_dim={spec.head_dim}, head_dim_v={spec.dv}: the backward supports head dims up to 128 so far"

@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M, Arch
-from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, register_pool
+from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
 
 DqSplit = Literal["m", "n"]
 # registers a consumer thread needs besides its accumulators (addresses, loop state, the LSE
@@ -102,13 +102,8 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
         return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
     if problem := dq_split_problem(c):
         return problem
-    limit = Arch.SM90A.caps.smem_bytes_per_cta
-    if bwd_smem_bytes(c) > limit:
-        return f"its buffers take {bwd_smem_bytes(c)} bytes of shared memory, over the {limit} available"
-    registers = WARPGROUP_THREADS * (c.producer_regs + c.num_consumer_warpgroups * c.consumer_regs)
-    pool = register_pool(c.num_consumer_warpgroups)
-    if registers > pool:
-        return f"producer_regs {c.producer_regs} + 2 x consumer_regs {c.consumer_regs} exceed the CTA's pool of {pool}"
+    if problem := resource_problem(bwd_smem_bytes(c), c.producer_regs, c.consumer_regs, c.num_consumer_warpgroups):
+        return problem
     accumulators = bwd_accumulator_registers(c)
     if accumulators > c.consumer_regs - ACCUMULATOR_HEADROOM:
         return (

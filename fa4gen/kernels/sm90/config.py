@@ -193,14 +193,20 @@ def config_problem(c: Sm90FwdConfig) -> str:
         c.o_staging, c.tile_n, c.head_dim_padded, c.head_dim_v_padded, c.q_stages, c.p_smem, c.num_consumer_warpgroups
     ):
         return f"O's staging tile does not fit {c.o_staging}"
+    return resource_problem(config_smem_bytes(c), c.producer_regs, c.consumer_regs, c.num_consumer_warpgroups)
+
+
+def resource_problem(smem: int, producer_regs: int, consumer_regs: int, warpgroups: int) -> str:
+    """Why a warp-specialized CTA (a producer and ``warpgroups`` consumer warpgroups) cannot run
+    with ``smem`` bytes of shared memory and this setmaxnreg split ("" when it can)."""
     limit = Arch.SM90A.caps.smem_bytes_per_cta
-    if config_smem_bytes(c) > limit:
-        return f"its buffers take {config_smem_bytes(c)} bytes of shared memory, over the {limit} available"
-    registers = WARPGROUP_THREADS * (c.producer_regs + c.num_consumer_warpgroups * c.consumer_regs)
-    pool = register_pool(c.num_consumer_warpgroups)
+    if smem > limit:
+        return f"its buffers take {smem} bytes of shared memory, over the {limit} available"
+    registers = WARPGROUP_THREADS * (producer_regs + warpgroups * consumer_regs)
+    pool = register_pool(warpgroups)
     if registers > pool:
         return (
-            f"producer_regs {c.producer_regs} + {c.num_consumer_warpgroups} x consumer_regs {c.consumer_regs} "
+            f"producer_regs {producer_regs} + {warpgroups} x consumer_regs {consumer_regs} "
             f"take {registers} registers, over the CTA's pool of {pool}"
         )
     return ""
