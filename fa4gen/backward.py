@@ -29,7 +29,8 @@ class BackwardKernel:
     log-sum-exp and dlse its gradient, if the LSE was used. Returns dq, dk, dv of q's, k's and
     v's shapes and dtype (written into ``dq`` / ``dk`` / ``dv`` where given); dk and dv are
     reduced over each KV head's query heads (GQA). ``variant``: the run-time values the forward
-    took (``sinks=``, ``alibi_slopes=``, ``rel_bias=``, ``aux=``), checked as the forward checks them."""
+    took (``sinks=``, ``alibi_slopes=``, ``rel_bias=``, ``prefix_lengths=``, ``aux=``), checked as the
+    forward checks them."""
 
     def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
         self.spec, self.plan, self.key, self.path = spec, plan, key, path
@@ -66,7 +67,7 @@ class BackwardKernel:
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
             return dq, dk.zero_(), dv.zero_(), *empty
-        given = {name: variant.pop(name, None) for name in ("sinks", "alibi_slopes", "rel_bias")}
+        given = {name: variant.pop(name, None) for name in ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths")}
         aux = variant.pop("aux", None)
         if variant:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")

@@ -116,6 +116,7 @@ def backward(
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
     rel_bias: torch.Tensor | None,
+    prefix_lengths: torch.Tensor | None,
     aux_names: str,
     aux_tensors: list[torch.Tensor],
     scalar_names: str,
@@ -141,8 +142,8 @@ def _(q, k, v, out, dout, lse, dlse, kernel, sinks, *args):
 
 
 # the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
-# rel_bias, then the aux names, tensors, scalar names and values (fa4gen::forward's order)
-_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 14, 15, 16, 17)
+# rel_bias, prefix_lengths, then the aux names, tensors, scalar names and values (fa4gen::forward's order)
+_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 14, 15, 16, 17)
 SINKS_INPUT = 4
 
 

@@ -321,4 +321,6 @@ def backward_specs() -> dict[str, AttentionSpec]:
     )
     cases["expression-score"] = load_spec(SPECS_DIR / "expression-score.yaml")
     cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
+    cases["d128-chunked256"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256})
+    cases["prefix-lm"] = load_spec(SPECS_DIR / "prefix-lm.yaml")  # d128, LSE, prefix lengths per batch entry
     return cases

@@ -135,6 +135,25 @@ def test_plan_json_round_trips(tmp_path: Path) -> None:
     assert fa4gen.Plan.model_validate_json(result.stdout) == expected
 
 
+def test_plan_and_emit_the_backward(tmp_path: Path) -> None:
+    """--backward: the backward's plan (for the spec with its LSE) and its source; a spec without
+    a backward is one error line naming the field."""
+    from fa4gen.api import training_spec
+    from fa4gen.planner import backward_plan
+
+    spec_file = write_spec(tmp_path, "head_dim: 128\ncausal: true\nqhead_per_kvhead: 4\n")
+    spec = training_spec(fa4gen.load_spec(spec_file))
+    result = run("plan", spec_file, "--backward", "--json")
+    assert result.exit_code == 0, result.output
+    assert fa4gen.Plan.model_validate_json(result.stdout) == backward_plan(spec)
+    result = run("emit", spec_file, "--backward")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == fa4gen.emit(spec, backward_plan(spec)).source
+    assert "HopperAttentionBackward(CONFIG" in result.stdout
+    wide = write_spec(tmp_path, "head_dim: 256\n")
+    assert_one_line_error(run("plan", wide, "--backward"), "head_dim=256")
+
+
 def test_emit_to_stdout_and_file(tmp_path: Path) -> None:
     spec = fa4gen.AttentionSpec(head_dim=64)
     source = fa4gen.emit(spec, fa4gen.plan(spec, "sm_90a")).source

@@ -200,3 +200,30 @@ def _train(attend, steps: int = 300) -> list[float]:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def test_backward_refuses_bad_arguments_in_one_line():
+    """A wrong gradient, LSE, buffer or keyword raises before any launch, naming the argument."""
+    import torch
+
+    spec = CASES["d128-gqa4-causal"]
+    q, k, v, dout, _ = _inputs(spec, 2, 100, 100, seed=3)
+    out, lse = fa4gen.compile(training_spec(spec))(q, k, v)
+    backward = fa4gen.compile_backward(spec)
+    bad = {
+        "dout": lambda: backward(q, k, v, out, dout.float(), lse),
+        "lse": lambda: backward(q, k, v, out, dout, lse[:, :, :50]),
+        "dlse": lambda: backward(q, k, v, out, dout, lse, torch.zeros(3, device="cuda")),
+        "dq": lambda: backward(q, k, v, out, dout, lse, dq=torch.empty_like(k)),
+        "out": lambda: backward(q, k, v, out[:, :50], dout, lse),
+        "sinks=": lambda: backward(q, k, v, out, dout, lse, sinks=torch.zeros(8, device="cuda")),
+    }
+    for name, call in bad.items():
+        with pytest.raises(ValueError, match=name) as error:
+            call()
+        assert "\n" not in str(error.value), name
+    with pytest.raises(TypeError, match="bias"):
+        backward(q, k, v, out, dout, lse, bias=1)
+    # a transposed gradient (as autograd may hand it) is taken as it is
+    grads = backward(q, k, v, out, dout.transpose(1, 2).contiguous().transpose(1, 2), lse)
+    assert_gradients_close(spec, q, k, v, dout, grads)

@@ -622,3 +622,72 @@ def test_per_thread_masking_keeps_exactly_the_visible_scores(name, shape):
         assert not scores[:, :seqlen_q, :seqlen_k].isnan().any(), "a score no thread holds"
         assert torch.equal(kept, visible), f"by_document={by_document}"
         assert (scores[:, :seqlen_q, seqlen_k:] == float("-inf")).all()  # the ragged tile's keys past Sk
+
+
+# --------------------------------------------------------------------------- the backward's mask
+BACKWARD_MASK_CASES = {
+    name: KEY_TILE_CASES[name][0]
+    for name in ("plain", "causal", "window", "window-left-only", "causal-window", "chunked", "prefix-lm")
+}
+
+
+def _backward_key_ranges(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
+    """Per (batch, key): [lo, hi) of the query rows that see it; per (batch, key tile): the
+    query tiles the CTA walks, as the backward kernel computes them (masking.key_query_range)."""
+    keys = -(-seqlen_k // kernel.tile_n) * kernel.tile_n
+    ranges = torch.full((batches, keys, 2), -1, dtype=torch.int32)
+    tiles = torch.full((batches, keys // kernel.tile_n, 2), -1, dtype=torch.int32)
+    count, padded = len(extras), _padded(extras)
+
+    @cute.jit
+    def run(
+        ranges: cute.Tensor,
+        tiles: cute.Tensor,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        e0: cute.Tensor,
+        e1: cute.Tensor,
+        e2: cute.Tensor,
+        e3: cute.Tensor,
+    ):
+        args = VariantArgs(kernel.cfg.extra_names, (e0, e1, e2, e3)[:count])
+        for b in cutlass.range(ranges.shape[0], unroll=1):
+            for key in cutlass.range(ranges.shape[1], unroll=1):
+                lo, hi = kernel.key_queries.key_query_range(key, b, seqlen_q, seqlen_k, args)
+                ranges[b, key, 0] = lo
+                ranges[b, key, 1] = hi
+            for n in cutlass.range(tiles.shape[1], unroll=1):
+                m_min, m_max = kernel.key_queries.query_tiles_of_keys(n, b, seqlen_q, seqlen_k, args)
+                tiles[b, n, 0] = m_min
+                tiles[b, n, 1] = m_max
+
+    run(from_dlpack(ranges), from_dlpack(tiles), seqlen_q, seqlen_k, *(from_dlpack(v) for v in padded))
+    return ranges, tiles
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(BACKWARD_MASK_CASES))
+def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape):
+    """The backward walks keys, not queries: for every key, [lo, hi) is exactly the set of rows
+    that see it (visible_keys, written apart), and each key tile's query tiles cover them."""
+    from fa4gen.api import training_spec
+    from fa4gen.planner import backward_plan
+
+    spec = training_spec(fa4gen.AttentionSpec(**BACKWARD_MASK_CASES[name]))
+    kernel = _kernel(spec, backward_plan(spec))
+    seqlen_q, seqlen_k = shape
+    batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
+    extras = tuple(args[extra.name] for extra in lower(spec).extras)
+    ranges, tiles = _backward_key_ranges(kernel, seqlen_q, seqlen_k, batches, extras)
+    visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)  # (B or 1, 1, Sq, Sk)
+    rows = torch.arange(seqlen_q).view(-1, 1)
+    for b in range(batches):
+        seen = visible[min(b, visible.shape[0] - 1), 0]
+        lo, hi = ranges[b, :seqlen_k, 0].view(1, -1), ranges[b, :seqlen_k, 1].view(1, -1)
+        assert torch.equal((rows >= lo) & (rows < hi), seen), f"batch {b}: a key's query range"
+        assert (ranges[b, seqlen_k:, 1] <= ranges[b, seqlen_k:, 0]).all(), "keys past Sk: no query"
+        for n in range(tiles.shape[1]):
+            m_min, m_max = tiles[b, n].tolist()
+            queries = seen[:, n * kernel.tile_n : (n + 1) * kernel.tile_n].any(dim=1).nonzero().flatten()
+            if len(queries):
+                assert m_min * kernel.tile_m <= queries.min() and queries.max() < m_max * kernel.tile_m, (b, n)

@@ -379,7 +379,7 @@ def test_the_backward_op_is_registered_with_its_fake():
     q, k, v = _inputs(1, 5, 7, fa4gen.AttentionSpec(head_dim=16), device="meta")
     lse = q.new_empty(1, 2, 5).float()
     dq, dk, dv, dsinks = torch.ops.fa4gen.backward(
-        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, "", [], "", []
+        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, None, "", [], "", []
     )
     assert dsinks.shape == (0,)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

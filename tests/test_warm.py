@@ -310,3 +310,25 @@ def test_warm_script_writes_the_archive_where_told_and_keeps_a_redirected_log(wa
     digest = hashlib.sha256((tmp_path / "out" / "cache.tar.gz").read_bytes()).hexdigest()
     assert f"sha256 {digest}" in text
     assert cache.is_dir()  # the caller's cache is the caller's: kept
+
+
+@pytest.mark.slow
+def test_warm_training_caches_what_training_runs(tmp_path: Path) -> None:
+    """`fa4gen warm --training`: a row per spec for its forward and one for what training runs
+    (the forward with its LSE and the backward); afterwards nothing of it needs compiling, and a
+    spec without a backward is a failed row naming the field."""
+    import fa4gen
+    from fa4gen.api import build_training
+
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "causal.yaml").write_text("head_dim: 64\ncausal: true\n")
+    (tmp_path / "specs" / "wide.yaml").write_text("head_dim: 256\n")
+    cache = tmp_path / "cache"
+    result = cli("warm", "specs", "--training", "--arch", "sm_90a", "-j", "2", "--cache-dir", cache, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr  # the wide spec has no backward
+    assert "1 failed" in result.stdout and "head_dim=256" in result.stdout
+    assert "[training]" in result.stdout
+    spec = fa4gen.load_spec(tmp_path / "specs" / "causal.yaml")
+    forward, backward = build_training(spec, "sm_90a", cache_dir=cache, no_compile=True)
+    assert backward.plan.is_backward and not backward.built_now and not forward.any_built_now
+    fa4gen.build(spec, "sm_90a", cache_dir=cache, no_compile=True)  # the plain forward too

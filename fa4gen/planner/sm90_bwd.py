@@ -28,8 +28,8 @@ def _round_up(value: int, granule: int) -> int:
 
 def backward_problem(spec: AttentionSpec) -> str:
     """Why ``spec`` has no backward kernel on sm_90a ("" when it has one)."""
-    if spec.mask is not None:
-        return f"mask.kind={spec.mask.kind}: the backward supports causal and window masks so far"
+    if spec.mask_kind in ("document", "expression"):
+        return f"mask.kind={spec.mask_kind}: the backward supports causal, window, chunked and prefix-LM masks so far"
     lowered = lower(spec)
     if lowered.score is not None:
         try:
@@ -62,6 +62,8 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         extra_names=tuple(extra.name for extra in lowered.extras),
         window_left=spec.left_bound,
         window_right=spec.right_bound,
+        chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
+        prefix_lm=spec.mask_kind == "prefix_lm",
     )
     config = Sm90BwdConfig(
         **variant,

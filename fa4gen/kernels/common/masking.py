@@ -237,30 +237,38 @@ class KeyTileRange:
             row.store(cute.where(visible, row.load(), -cutlass.Float32.inf))
 
     @cute.jit
-    def key_query_range(self, key: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def key_query_range(self, key: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """[lo, hi) of the query rows that see key ``key`` (the backward's view of the mask, one
-        key per accumulator row): the row_range intervals read the other way. Only for masks
-        given by a formula of the sizes (causal, windows)."""
-        assert not (self.chunk is not None or self.prefix or self.document), "a formula mask only"
+        key per accumulator row): the row_range intervals read the other way, for every mask
+        but documents. A row at key position p sees k when p - left <= k <= p + right, when k
+        lies in p's chunk (p // C * C <= k <= p), or, prefix-LM, when k < its batch entry's
+        prefix length or k <= p."""
+        assert not self.document, "documents: the rows' key ranges come from a table"
         shift = seqlen_k - seqlen_q  # a row's key position is row + shift
         lo, hi = Int32(0), seqlen_q
-        if cutlass.const_expr(self.right is not None):
+        if cutlass.const_expr(self.prefix):  # (its end replaces a right bound's: formula_row_range)
+            if key >= args.prefix_lengths[batch]:
+                lo = cutlass.max(lo, key - shift)
+        elif cutlass.const_expr(self.right is not None):
             lo = cutlass.max(lo, key - shift - self.right)
         if cutlass.const_expr(self.left is not None):
             hi = cutlass.min(hi, key - shift + self.left + 1)
+        if cutlass.const_expr(self.chunk is not None):
+            lo = cutlass.max(lo, key - shift)
+            hi = cutlass.min(hi, (key // self.chunk + 1) * self.chunk - shift)
         lo = cutlass.min(lo, seqlen_q)
         if key >= seqlen_k:
             hi = lo
         return lo, cutlass.max(hi, lo)  # both never decrease with the key (below Sk)
 
     @cute.jit
-    def query_tiles_of_keys(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def query_tiles_of_keys(self, n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """[m_min, m_max) of the query tiles that see some key of key tile ``n_block`` (empty
         past Sk): the first key's lowest row and the last key's highest, both never decreasing."""
         first_key = n_block * self.tile_n
         last_key = cutlass.min(first_key + self.tile_n, seqlen_k) - 1
-        lo, _ = self.key_query_range(first_key, seqlen_q, seqlen_k)
-        _, hi = self.key_query_range(last_key, seqlen_q, seqlen_k)
+        lo, _ = self.key_query_range(first_key, batch, seqlen_q, seqlen_k, args)
+        _, hi = self.key_query_range(last_key, batch, seqlen_q, seqlen_k, args)
         m_min = lo // self.tile_m
         m_max = cute.ceil_div(hi, self.tile_m)
         if first_key >= seqlen_k or hi <= lo:

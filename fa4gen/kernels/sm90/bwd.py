@@ -60,7 +60,9 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.num_consumers = config.num_consumer_warpgroups
         self.q_stages, self.dq_stages = config.q_stages, config.dq_stages
         # the mask read per key: the query rows that see it (masking.key_query_range)
-        self.key_queries = KeyTileRange(self.tile_m, self.tile_n, config.window_left, config.window_right)
+        self.key_queries = KeyTileRange(
+            self.tile_m, self.tile_n, config.window_left, config.window_right, config.chunk, config.prefix_lm
+        )
         self.threads = WARPGROUP_THREADS * (1 + self.num_consumers)
 
     # ------------------------------------------------------------------ host side
@@ -231,9 +233,10 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         seqlen_q, seqlen_k = tma_q[1].shape[0], tma_k[1].shape[0]
+        args = VariantArgs(self.cfg.extra_names, extras)
         m_min, m_max = Int32(0), cute.ceil_div(seqlen_q, self.tile_m)
         if cutlass.const_expr(self.key_queries.structural):
-            m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, seqlen_q, seqlen_k)
+            m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, batch, seqlen_q, seqlen_k, args)
         where = (n_block, kv_head, batch, m_min, cutlass.max(m_max - m_min, 0))
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
@@ -242,7 +245,6 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
-            args = VariantArgs(self.cfg.extra_names, extras)
             self.consume(f, smem, pipes, where, tma_dq, (seqlen_q, seqlen_k, args))
             self.store_dk_dv(f, mdK, mdV, n_block, kv_head, batch, seqlen_k)
 

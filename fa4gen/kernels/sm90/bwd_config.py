@@ -40,6 +40,8 @@ class Sm90BwdConfig(BaseModel):
     extra_names: tuple[str, ...]  # the variant's run-time arguments, in order (fa4gen.variants.lower)
     window_left: int | None  # keys before a query's position it sees (None: all)
     window_right: int | None  # keys after it (0: causal; None: all)
+    chunk: int | None  # chunked attention: causal within chunks of this many keys
+    prefix_lm: bool  # keys below the batch entry's prefix length are seen by every row
     # the schedule (from the planner)
     head_dim_padded: int
     head_dim_v_padded: int

@@ -204,13 +204,15 @@ class Sm90BwdStep:
     @cute.jit
     def visible_of_row(self, coords, r: int, at, sizes):
         """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a vector."""
-        n_block, _, _, m_block = at
-        seqlen_q, seqlen_k, _ = sizes
+        n_block, _, batch, m_block = at
+        seqlen_q, seqlen_k, args = sizes
         offsets = column_offsets(coords, coords[0, None].shape)
         first_col = m_block * self.tile_m + coords[0, 0][1]
-        lo, hi = self.key_queries.key_query_range(n_block * self.tile_n + coords[r, 0][0], seqlen_q, seqlen_k)
-        # (the lowest query that sees a key is 0 without a right bound)
-        return visible_columns(offsets, first_col, lo, hi, self.cfg.window_right is not None)
+        key = n_block * self.tile_n + coords[r, 0][0]
+        lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
+        # (the lowest query that sees a key is 0 without a right bound, chunks or a prefix)
+        starts = self.cfg.window_right is not None or self.cfg.chunk is not None or self.cfg.prefix_lm
+        return visible_columns(offsets, first_col, lo, hi, starts)
 
     @cute.jit
     def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
