@@ -1,7 +1,7 @@
 """Time the backward (and forward + backward) of fa4gen against its peers on one GPU, in one process.
 
     python benchmarks/backward.py warm [--grid full|quick]            # any machine: compile the kernels
-    python benchmarks/backward.py run  [--grid full|quick] [--out rows.json]   # on the GPU
+    python benchmarks/backward.py run  [--grid full|quick] [--match gqa8,d64] [--out rows.json]   # on the GPU
     python benchmarks/backward.py report rows.json > table.md
 
 Cells follow the forward grid's rule (fa4gen.bench: B x S = 16k tokens, Hq x d = 2048). Peers:
@@ -50,8 +50,16 @@ def grid(which: str) -> list[bench.BenchCase]:
     return cases
 
 
+def _cells(args) -> list[bench.BenchCase]:
+    """The grid's cells, those whose name contains one of --match's comma-separated words if given."""
+    cases = grid(args.grid)
+    if args.match:
+        cases = [case for case in cases if any(word in case.name for word in args.match.split(","))]
+    return cases
+
+
 def warm(args) -> None:
-    for spec in bench.specs_of(grid(args.grid)):
+    for spec in bench.specs_of(_cells(args)):
         fa4gen.build(spec, "sm_90a")  # (fa4gen.compile(spec) looks it up before autograd runs the LSE one)
         forward, backward = build_training(spec)
         print(f"{spec.summary():36} {'compiled' if backward.built_now else 'cached'}", flush=True)
@@ -135,7 +143,7 @@ def run_case(case: bench.BenchCase) -> dict:
 
 def run(args) -> None:
     rows = []
-    for case in grid(args.grid):
+    for case in _cells(args):
         row = run_case(case)
         rows.append(row)
         cells = "  ".join(
@@ -199,6 +207,7 @@ def main() -> None:
     parser.add_argument("rows", nargs="?", default="", help="report: the rows a run wrote (--out)")
     parser.add_argument("--grid", choices=("full", "quick"), default="quick")
     parser.add_argument("--out", default="")
+    parser.add_argument("--match", default="", help="only cells whose name contains one of these words (a,b)")
     args = parser.parse_args()
     {"warm": warm, "run": run, "report": report}[args.mode](args)
 

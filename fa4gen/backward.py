@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.planner import Plan, backward_workspace_shapes
-from fa4gen.runtime import _check_output, _check_tensor, validate_inputs, variant_arguments
+from fa4gen.runtime import _check_output, _check_tensor, multiprocessor_count, validate_inputs, variant_arguments
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import lower
 
@@ -74,12 +74,43 @@ class BackwardKernel:
         extras = variant_arguments(self.spec, q, k, given, aux, lowered=self._lowered)
         shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
         work = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+        splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], multiprocessor_count(q.device))
+        sums = self._partial_sums(k, splits)
         lse, dlse = lse.contiguous(), dlse.contiguous()
-        workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"])
-        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, *extras)
+        workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], *sums)
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, *extras)
+        if splits > 1:  # the partials' sums, rounded
+            dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])
+            dv.copy_(sums[1][:, : k.shape[1], :, : self.spec.dv])
         if self.spec.sinks:
             return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"])
         return dq, dk, dv
+
+    def _partial_sums(self, k, splits: int):
+        """dK's and dV's fp32 sums over whole key tiles, zeroed, where the query heads are split
+        over CTAs; else stand-ins the kernel does not touch."""
+        import torch
+
+        c = self.plan.config
+        if splits == 1:
+            return tuple(
+                torch.empty((1, 1, 1, width), dtype=torch.float32, device=k.device)
+                for width in (c.head_dim_padded, c.head_dim_v_padded)
+            )
+        keys = -(-k.shape[1] // c.tile_n) * c.tile_n
+        return tuple(
+            torch.zeros((k.shape[0], keys, k.shape[2], width), dtype=torch.float32, device=k.device)
+            for width in (c.head_dim_padded, c.head_dim_v_padded)
+        )
+
+
+def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) -> int:
+    """CTAs per KV head and key tile: 2 where one per KV head would give fewer than two CTAs per SM
+    and the KV head has an even number of query heads (with two, the fp32 sum of the partials is
+    the same in either order: dK and dV stay bit-identical from run to run), else 1."""
+    c = plan.config
+    ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
+    return 2 if c.qhead_per_kvhead % 2 == 0 and ctas < 2 * sms else 1
 
 
 def sink_gradient(sinks, lse_log2, dpsum):

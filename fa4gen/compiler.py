@@ -78,8 +78,9 @@ def _fake_extras(spec: AttentionSpec) -> list[Any]:
 
 def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
-    lse_log2, *extras, stream): the workspaces compact fp32 (planner.backward_workspace_shapes),
-    their padded head dim static."""
+    lse_log2, dk_accum, dv_accum, head_splits, *extras, stream): the workspaces compact fp32
+    (planner.backward_workspace_shapes), their padded head dims static; head_splits a run-time
+    Int32."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -95,8 +96,10 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     outputs = [_fake_bshd(spec, dim) for dim in (d, d, dv)]
     accum = workspace(plan.config.head_dim_padded)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    sums = [workspace(plan.config.head_dim_padded), workspace(plan.config.head_dim_v_padded)]
+    rows = [workspace(), workspace()]
     extras = _fake_extras(spec)
-    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, workspace(), workspace(), *extras, stream]
+    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, *rows, *sums, cutlass.Int32(1), *extras, stream]
 
 
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:

@@ -53,8 +53,8 @@ def make_kernel() -> HopperAttentionBackward:
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, do: cute.Tensor, lse: cute.Tensor,
           dlse: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, dq_accum: cute.Tensor, dpsum: cute.Tensor,
-          lse_log2: cute.Tensor, x_prefix_lengths: cute.Tensor,
+          lse_log2: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, x_prefix_lengths: cute.Tensor,
           stream: cuda.CUstream):
     """The exported function: the preprocess, main and postprocess launches on ``stream``, the
     variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, (x_prefix_lengths, ), stream)
+    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dk_accum, dv_accum, head_splits, (x_prefix_lengths, ), stream)

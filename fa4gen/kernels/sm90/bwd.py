@@ -82,6 +82,9 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D_pad) fp32 workspace
         mdPsum: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
+        mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
+        mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
+        head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads
         extras: tuple,
         stream: cuda.CUstream,
     ):
@@ -111,8 +114,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        self.kernel(*tmas, mdK, mdV, extras, *layouts).launch(
-            grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2], batches),
+        self.kernel(*tmas, (mdK, mdV, mdKaccum, mdVaccum), head_splits, extras, *layouts).launch(
+            grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits, batches),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
@@ -198,8 +201,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tma_lse,
         tma_dpsum,
         tma_dq,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        outputs: tuple,
+        head_splits: Int32,
         extras: tuple,
         sQ_layout,
         sdO_layout,
@@ -211,7 +214,11 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        n_block, kv_head, batch = cute.arch.block_idx()
+        n_block, split_head, batch = cute.arch.block_idx()
+        # a KV head's query heads may be shared out over head_splits CTAs (the runtime's choice,
+        # where one CTA per KV head leaves SMs idle); their dK and dV partials are then summed
+        kv_head, split = split_head // head_splits, split_head % head_splits
+        heads = self.cfg.qhead_per_kvhead // head_splits
         storage = SmemAllocator().allocate(self.shared_storage)
         rows = cute.make_layout((self.tile_m, self.q_stages))
         smem = BwdSmem(
@@ -237,7 +244,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         m_min, m_max = Int32(0), cute.ceil_div(seqlen_q, self.tile_m)
         if cutlass.const_expr(self.key_queries.structural):
             m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, batch, seqlen_q, seqlen_k, args)
-        where = (n_block, kv_head, batch, m_min, cutlass.max(m_max - m_min, 0))
+        first_head = kv_head * self.cfg.qhead_per_kvhead + split * heads
+        where = (n_block, kv_head, batch, m_min, cutlass.max(m_max - m_min, 0), first_head, heads)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
@@ -246,14 +254,14 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
             self.consume(f, smem, pipes, where, tma_dq, (seqlen_q, seqlen_k, args))
-            self.store_dk_dv(f, mdK, mdV, n_block, kv_head, batch, seqlen_k)
+            self.store_dk_dv(f, outputs, head_splits, (n_block, kv_head, batch), seqlen_k)
 
     @cute.jit
     def produce(self, tmas, smem: BwdSmem, pipes, where):
         """One warp: K and V once, then each step's Q with its rows' LSE and dO with their dPsum."""
         (tma_q, mQ), (tma_do, mdO), (tma_k, mK), (tma_v, mV), (tma_lse, mLSE), (tma_dpsum, mdPsum) = tmas
         pipe_kv, pipe_q, pipe_do = pipes
-        n_block, kv_head, batch, m_min, count = where
+        n_block, kv_head, batch, m_min, count, first_head, heads = where
         tKs, tKg = self._tma_parts(tma_k, mK[None, None, kv_head, batch], smem.k, (self.tile_n, self.dqk))
         tVs, tVg = self._tma_parts(tma_v, mV[None, None, kv_head, batch], smem.v, (self.tile_n, self.dv))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -261,8 +269,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         cute.copy(tma_k, tKg[None, n_block, 0], tKs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_v, tVg[None, n_block, 0], tVs[None, 0], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        for step in cutlass.range(self.cfg.qhead_per_kvhead * count, unroll=1):
-            head = kv_head * self.cfg.qhead_per_kvhead + step // count
+        for step in cutlass.range(heads * count, unroll=1):
+            head = first_head + step // count
             m_block = m_min + step % count
             tQs, tQg = self._tma_parts(tma_q, mQ[None, None, head, batch], smem.q, (self.tile_m, self.dqk))
             tdOs, tdOg = self._tma_parts(tma_do, mdO[None, None, head, batch], smem.do, (self.tile_m, self.dv))
@@ -292,12 +300,12 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``);
         ``sizes``: (Sq, Sk, the variant's run-time values)."""
         pipe_kv, pipe_q, pipe_do = pipes
-        n_block, kv_head, batch, m_min, count = where
+        n_block, kv_head, batch, m_min, count, first_head, heads = where
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        for step in cutlass.range(self.cfg.qhead_per_kvhead * count, unroll=1):
-            head = kv_head * self.cfg.qhead_per_kvhead + step // count
+        for step in cutlass.range(heads * count, unroll=1):
+            head = first_head + step // count
             m_block = m_min + step % count
             self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, head, batch, m_block), sizes)
             acc_dq = self.products(f, pipe_do, state)

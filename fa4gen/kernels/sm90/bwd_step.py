@@ -343,11 +343,19 @@ class Sm90BwdStep:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def store_dk_dv(self, f: BwdFragments, mdK, mdV, n_block: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32):
-        """dK (times softmax_scale) and dV of this thread's keys, rounded, below Sk."""
+    def store_dk_dv(self, f: BwdFragments, outputs, head_splits: Int32, at, seqlen_k: Int32):
+        """dK (times softmax_scale) and dV of this thread's keys below Sk: rounded into the outputs,
+        or with the KV head's query heads split over CTAs, added into the fp32 sums (the runtime
+        rounds them; two partials added into zeros give the same sum in either order)."""
+        mdK, mdV, mdKaccum, mdVaccum = outputs
+        n_block, kv_head, batch = at
         where = (n_block * self.tile_n, kv_head, batch, seqlen_k)
-        self._store_rows(f.acc_dk, f.coords_dk, mdK, where, self.cfg.head_dim, self.cfg.softmax_scale)
-        self._store_rows(f.acc_dv, f.coords_dv, mdV, where, self.cfg.head_dim_v, 1.0)
+        if head_splits == 1:
+            self._store_rows(f.acc_dk, f.coords_dk, mdK, where, self.cfg.head_dim, self.cfg.softmax_scale)
+            self._store_rows(f.acc_dv, f.coords_dv, mdV, where, self.cfg.head_dim_v, 1.0)
+        else:
+            self._add_rows(f.acc_dk, f.coords_dk, mdKaccum, where, self.cfg.softmax_scale)
+            self._add_rows(f.acc_dv, f.coords_dv, mdVaccum, where, 1.0)
 
     @cute.jit
     def _store_rows(self, acc, coords, out, where, width: int, scale: float):
@@ -358,3 +366,13 @@ class Sm90BwdStep:
             if first_key + key < seqlen_k:
                 if col < width:  # (the padded head dim's columns are not stored)
                     out[batch, first_key + key, kv_head, col] = value.to(out.element_type)
+
+    @cute.jit
+    def _add_rows(self, acc, coords, sums, where, scale: float):
+        """``acc`` (times ``scale``) added into the fp32 sums, whole padded key tiles (no bounds)."""
+        first_key, kv_head, batch, _ = where
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            key, col = coords[i]
+            value = acc[i] if cutlass.const_expr(scale == 1.0) else acc[i] * Float32(scale)
+            target = sums.iterator + cute.crd2idx((batch, first_key + key, kv_head, col), sums.layout)
+            cute.arch.red(target, value, op="add", dtype="f32", sem="relaxed", scope="gpu")
