@@ -1141,13 +1141,15 @@ def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     assert shapes == {"dq_accum": (3, 8, 1024, 96), "dpsum": (3, 8, 1024), "lse_log2": (3, 8, 1024)}
 
 
-def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_sms_would_idle():
+def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_masked_ctas_would_leave_sms_idle():
     from fa4gen.backward import head_splits
     from fa4gen.planner import backward_plan
 
     gqa8 = backward_plan(AttentionSpec(head_dim=128, qhead_per_kvhead=8, causal=True))
     assert head_splits(gqa8, 4, 2, 4096, 132) == 2  # 32 key tiles x 2 KV heads x 4 = 256 CTAs < 264
     assert head_splits(gqa8, 8, 2, 4096, 132) == 1  # 512 CTAs
+    dense = backward_plan(AttentionSpec(head_dim=128, qhead_per_kvhead=8))
+    assert head_splits(dense, 4, 2, 4096, 132) == 1  # equal CTAs: splitting only adds the sums
     mha = backward_plan(AttentionSpec(head_dim=128, causal=True))
     assert head_splits(mha, 1, 1, 128, 132) == 1  # one query head per KV head: nothing to split
     odd = backward_plan(AttentionSpec(head_dim=64, qhead_per_kvhead=5))
