@@ -26,6 +26,15 @@ def test_quickstart_cross_compiles_without_gpu(warm_cache):
     assert "plan for sm_90a" in result.stdout and "cache hit" in result.stdout
 
 
+def test_training_example_builds_what_training_runs_without_gpu(tmp_path):
+    """examples/training.py --cpu: the forward with its LSE, the backward and the plain forward."""
+    result = _run([sys.executable, "examples/training.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "HopperAttentionBackward" in result.stdout and "compiled in" in result.stdout
+    again = _run([sys.executable, "examples/training.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(tmp_path)})
+    assert again.returncode == 0 and "cache hit" in again.stdout, again.stderr
+
+
 def test_variants_example_cross_compiles_without_gpu(warm_cache):
     root, _ = warm_cache  # both specs are in specs/, so already warm: the example hits them
     result = _run([sys.executable, "examples/variants.py", "--cpu"], {"FA4GEN_CACHE_DIR": str(root)})

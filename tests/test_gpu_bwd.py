@@ -124,25 +124,22 @@ def test_training_step_under_torch_compile_and_in_a_cuda_graph():
 
 
 def test_a_small_transformer_trains_as_it_does_with_sdpa():
-    """300 steps of a 2-layer causal transformer (8 query heads over 2 KV heads, d64) on a
-    next-token task, once with fa4gen's attention and once with SDPA, from the same initial
-    weights and batches: both learn, and the loss curves agree within bf16 noise (20-step means
-    within 5%, or 0.02 once the loss is near 0). FA4GEN_TRAINING_CURVES=path writes both curves."""
+    """examples/training.py's 300 steps of a 2-layer causal transformer (8 query heads over 2 KV
+    heads, d64), once with fa4gen's attention and once with SDPA, from the same weights and
+    batches: both learn, and the loss curves agree within bf16 noise (20-step means within 5%, or
+    0.02 once the loss is near 0). FA4GEN_TRAINING_CURVES=path writes both curves."""
+    import importlib.util
     import json
     import os
+    from pathlib import Path
 
     import torch
 
-    spec = CASES["d64-gqa4-causal"]
-    kernel = fa4gen.compile(spec)
-
-    def sdpa(q, k, v):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        return out.transpose(1, 2)
-
-    curves = {name: _train(attend) for name, attend in (("fa4gen", kernel), ("sdpa", sdpa))}
+    path = Path(__file__).resolve().parent.parent / "examples" / "training.py"
+    module_spec = importlib.util.spec_from_file_location("training_example", path)
+    example = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(example)
+    curves = {"fa4gen": example.train(fa4gen.compile(example.SPEC)), "sdpa": example.train(example.sdpa)}
     if os.environ.get("FA4GEN_TRAINING_CURVES"):
         with open(os.environ["FA4GEN_TRAINING_CURVES"], "w") as handle:
             json.dump(curves, handle)
@@ -151,55 +148,6 @@ def test_a_small_transformer_trains_as_it_does_with_sdpa():
     ours, reference = mine.view(-1, 20).mean(1), theirs.view(-1, 20).mean(1)
     excess = ((ours - reference).abs() - (0.05 * reference + 0.02)).max().item()
     assert excess <= 0, f"20-step mean losses differ: fa4gen {ours.tolist()}, SDPA {reference.tolist()}"
-
-
-def _train(attend, steps: int = 300) -> list[float]:
-    """Loss per step of a small causal transformer whose attention is ``attend(q, k, v)`` on
-    (B, S, H, 64) bf16 tensors; the weights, data and order are fixed by seeds."""
-    import torch
-    from torch import nn
-
-    vocab, width, heads, kv_heads, depth, seq, batch = 256, 512, 8, 2, 2, 256, 16
-    head_dim = width // heads
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * head_dim, bias=False)
-            self.proj = nn.Linear(width, width, bias=False)
-            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-        def forward(self, x):
-            b, s, _ = x.shape
-            q, k, v = self.qkv(self.norm1(x)).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-            shapes = ((b, s, heads, head_dim), (b, s, kv_heads, head_dim), (b, s, kv_heads, head_dim))
-            q, k, v = (t.reshape(shape).to(torch.bfloat16) for t, shape in zip((q, k, v), shapes, strict=True))
-            x = x + self.proj(attend(q, k, v).float().reshape(b, s, width))
-            return x + self.mlp(self.norm2(x))
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(vocab, width), *[Layer() for _ in range(depth)], nn.LayerNorm(width))
-    head = nn.Linear(width, vocab, bias=False)
-    model, head = model.cuda(), head.cuda()
-    params = [*model.parameters(), *head.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    steps_table = torch.randint(1, 8, (vocab,), generator=gen, device="cuda")  # next = token + step[token]
-    losses = []
-    for _ in range(steps):
-        start = torch.randint(0, vocab, (batch, 1), generator=gen, device="cuda")
-        tokens = [start]
-        for _ in range(seq):
-            tokens.append((tokens[-1] + steps_table[tokens[-1]]) % vocab)
-        tokens = torch.cat(tokens, dim=1)
-        logits = head(model(tokens[:, :-1]))
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_backward_refuses_bad_arguments_in_one_line():
