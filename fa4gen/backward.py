@@ -104,16 +104,22 @@ class BackwardKernel:
         )
 
 
+# masked GQA backwards share a KV head's query heads out over two CTAs below this many CTAs per SM
+# (decision bwd-tiles: GQA 4 causal at 512 CTAs 384 -> 394-398 TFLOP/s with 4, GQA 8 at 256 CTAs
+# 311 -> 370 with 2)
+SPLIT_BELOW_CTAS_PER_SM = 4
+
+
 def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) -> int:
     """CTAs per KV head and key tile: 2 where a mask makes the CTAs' work unequal, one per KV head
-    would give fewer than two CTAs per SM, and the KV head has an even number of query heads (with
-    two, the fp32 sum of the partials is the same in either order: dK and dV stay bit-identical
-    from run to run), else 1. Without a mask the CTAs are equal and splitting only adds the sums
-    (GQA 8, 256 CTAs: 527 -> 509 TFLOP/s; causal 311 -> 370: decision bwd-tiles)."""
+    would give fewer than SPLIT_BELOW_CTAS_PER_SM CTAs per SM, and the KV head has an even number
+    of query heads (with two, the fp32 sum of the partials is the same in either order: dK and dV
+    stay bit-identical from run to run), else 1. Without a mask the CTAs are equal and splitting
+    only adds the sums (decision bwd-tiles)."""
     c = plan.config
     unequal = c.window_left is not None or c.window_right is not None or c.chunk is not None or c.prefix_lm
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
-    return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < 2 * sms else 1
+    return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
 
 
 def sink_gradient(sinks, lse_log2, dpsum):

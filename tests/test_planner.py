@@ -1146,8 +1146,9 @@ def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_masked_ctas_would
     from fa4gen.planner import backward_plan
 
     gqa8 = backward_plan(AttentionSpec(head_dim=128, qhead_per_kvhead=8, causal=True))
-    assert head_splits(gqa8, 4, 2, 4096, 132) == 2  # 32 key tiles x 2 KV heads x 4 = 256 CTAs < 264
-    assert head_splits(gqa8, 8, 2, 4096, 132) == 1  # 512 CTAs
+    assert head_splits(gqa8, 4, 2, 4096, 132) == 2  # 32 key tiles x 2 KV heads x 4 = 256 CTAs < 4 x 132
+    assert head_splits(gqa8, 8, 2, 4096, 132) == 2  # 512 CTAs
+    assert head_splits(gqa8, 16, 2, 4096, 132) == 1  # 1024 CTAs
     dense = backward_plan(AttentionSpec(head_dim=128, qhead_per_kvhead=8))
     assert head_splits(dense, 4, 2, 4096, 132) == 1  # equal CTAs: splitting only adds the sums
     mha = backward_plan(AttentionSpec(head_dim=128, causal=True))
