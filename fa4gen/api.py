@@ -20,7 +20,16 @@ from fa4gen._version import __version__
 from fa4gen.arch import Arch, detect_arch, require_supported
 from fa4gen.cache import CacheEntry, CacheMiss, KernelCache, default_cache_root, make_key
 from fa4gen.emitter import emit
-from fa4gen.planner import Plan, SeqlenSplit, backward_plan, first_call_plan, plan, plan_problem, seqlen_splits
+from fa4gen.planner import (
+    Plan,
+    SeqlenSplit,
+    backward_plan,
+    backward_problem,
+    first_call_plan,
+    plan,
+    plan_problem,
+    seqlen_splits,
+)
 from fa4gen.runtime import AttentionKernel, SplitKernel, load_function
 from fa4gen.spec import AttentionSpec
 from fa4gen.toolchain import source_fingerprint, toolchain
@@ -248,6 +257,9 @@ def _training_factory(spec: AttentionSpec, target: Arch, cache: KernelCache, ref
 
     def training():
         if not made:
+            # checked once per kernel (parsing and differentiating a modifier costs ~0.2 ms)
+            if problem := backward_problem(spec):
+                raise ValueError(f"autograd needs a backward, and this spec ({spec.summary()}) has none: {problem}")
             with_lse = training_spec(spec)
             forward = compile(with_lse, arch=target, cache_dir=cache.root, no_compile=refuse)
             made.append(

@@ -17,7 +17,8 @@ from fa4gen.handles import live_object, register
 from fa4gen.runtime import _records_grad, _traced
 from fa4gen.spec import AttentionSpec
 
-_COMPILED: dict[str, object] = {}  # spec handle -> its compiled kernel
+_COMPILED: dict[str, object] = {}  # spec's canonical JSON -> its compiled kernel
+_BACKWARDS: dict[str, object] = {}  # ... -> its backward kernel
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -38,9 +39,10 @@ def spec_handle(spec: AttentionSpec) -> str:
 
 
 def _backward(spec: AttentionSpec):
+    """The spec's backward kernel, once per process (every training step's backward asks for it)."""
     from fa4gen.api import compile_backward
 
-    return compile_backward(spec)
+    return _once(_BACKWARDS, spec, compile_backward)
 
 
 _TRAINING: dict[int, tuple[AttentionSpec, AttentionSpec]] = {}  # id(spec) -> (spec, the spec with its LSE)
@@ -52,7 +54,7 @@ def _traced_training_handle(spec_id: int) -> str:
     (as ``_traced_handle``)."""
     from fa4gen.api import training_spec
 
-    spec = live_object(spec_id)
+    spec = _live_spec(spec_id)
     known = _TRAINING.get(spec_id)
     if known is None or known[0] is not spec:
         known = _TRAINING[spec_id] = (spec, training_spec(spec))
@@ -64,24 +66,33 @@ def _traced_handle(spec_id: int) -> str:
     """``spec_handle`` of the spec whose id this is. Dynamo passes such functions constants only
     (torch 2.11 refuses an object), so the spec comes by id: the traced frame holds it, so the id
     is the live object's (CPython's id is its address)."""
+    return spec_handle(_live_spec(spec_id))
+
+
+def _live_spec(spec_id: int) -> AttentionSpec:
     spec = live_object(spec_id)
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.ops takes an AttentionSpec, got {type(spec).__name__}")
-    return spec_handle(spec)
+    return spec
+
+
+def _once(table: dict, spec: AttentionSpec, make):
+    """``make(spec)``, once per process and spec (calls only look it up)."""
+    key = spec.canonical_json()
+    made = table.get(key)
+    if made is None:
+        with _COMPILE_LOCK:
+            made = table.get(key)
+            if made is None:
+                made = table[key] = make(spec)
+    return made
 
 
 def _kernel(spec: AttentionSpec):
     """The callable that runs ``spec``: ``fa4gen.compile(spec)``, once per process."""
-    key = spec.canonical_json()
-    kernel = _COMPILED.get(key)
-    if kernel is None:
-        with _COMPILE_LOCK:
-            kernel = _COMPILED.get(key)
-            if kernel is None:
-                from fa4gen.api import compile as compile_spec
+    from fa4gen.api import compile as compile_spec
 
-                kernel = _COMPILED[key] = compile_spec(spec)
-    return kernel
+    return _once(_COMPILED, spec, compile_spec)
 
 
 def attention(spec: AttentionSpec, q, k, v, *, out=None, lse=None, **variant):

@@ -140,31 +140,38 @@ def _counting_backend():
     return graphs, backend
 
 
-@pytest.mark.parametrize("through", ["ops.attention", "AttentionKernel"])
+@pytest.mark.parametrize("through", ["ops.attention", "AttentionKernel", "AttentionKernel, training"])
 def test_one_graph_for_every_shape(through):
     """fullgraph with dynamic shapes on meta tensors (no data: only the fake implementation
     runs): one graph, holding one fa4gen.forward call, serves three batch sizes and sequence
     lengths with no recompile."""
     spec = SINKS_EXPR.model_copy(update={"aux": {}, "scalars": {}, "score_mod": None})
     kernel = AttentionKernel(spec, fa4gen.plan(spec, "sm_90a"), function=None)
+    training = through.endswith("training")  # inputs that require grad: the op on the LSE kernel
+    if training:  # (the spec returns its LSE: it is its own training forward)
+        from fa4gen.backward import TrainingKernels
+
+        kernels = TrainingKernels(spec, kernel, lambda: None)
+        kernel.training = lambda: kernels
     sinks = torch.empty(8, device="meta")
 
     def attend(q, k, v):
-        if through == "AttentionKernel":
+        if through.startswith("AttentionKernel"):
             return kernel(q, k, v, sinks=sinks)
         return ops.attention(spec, q, k, v, sinks=sinks)
 
     graphs, backend = _counting_backend()
     compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=backend)
     for batch, seqlen_q, seqlen_k in ((3, 100, 300), (5, 17, 33), (7, 1000, 1000)):
-        q, k, v = _inputs(batch, seqlen_q, seqlen_k, spec, kv_heads=4, device="meta")
+        q, k, v = (t.requires_grad_(training) for t in _inputs(batch, seqlen_q, seqlen_k, spec, 4, "meta"))
         out, lse = compiled(q, k, v)
         assert out.shape == (batch, seqlen_q, 8, 64) and lse.shape == (batch, 8, seqlen_q)
     assert len(graphs) == 1
     op = torch.ops.fa4gen.forward
     calls = [n for n in graphs[0].graph.nodes if n.target in (op, op.default)]
     assert len(calls) == 1
-    explained = torch._dynamo.explain(attend)(*_inputs(2, 9, 11, spec, kv_heads=4, device="meta"))
+    inputs = (t.requires_grad_(training) for t in _inputs(2, 9, 11, spec, kv_heads=4, device="meta"))
+    explained = torch._dynamo.explain(attend)(*inputs)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 

@@ -273,3 +273,18 @@ def test_each_length_range_runs_its_kernel():
     with pytest.raises(ValueError, match="q is on cpu"):  # the default kernel validates longer ones
         kernel(*qkv(1025))
     assert len(launched) == 1 and not kernel._function.calls
+
+
+def test_training_a_spec_without_a_backward_is_one_error_before_any_compile(tmp_path):
+    """What autograd runs is made on the first recorded call; a spec with no backward raises there,
+    in one line naming the field, having compiled nothing."""
+    import fa4gen.api as api
+    from fa4gen.arch import Arch
+    from fa4gen.cache import KernelCache
+
+    cache = KernelCache(tmp_path)
+    training = api._training_factory(fa4gen.AttentionSpec(head_dim=256), Arch.SM90A, cache, True)
+    with pytest.raises(ValueError, match="head_dim=256") as error:
+        training()
+    assert "\n" not in str(error.value)
+    assert not list(cache.entries())
