@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.planner import Plan, backward_workspace_shapes
-from fa4gen.runtime import _check_output, _check_tensor, multiprocessor_count, validate_inputs, variant_arguments
+from fa4gen.runtime import (
+    _check_output,
+    _check_tensor,
+    multiprocessor_count,
+    tma_aligned,
+    validate_inputs,
+    variant_arguments,
+)
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import lower
 
@@ -64,14 +71,14 @@ class BackwardKernel:
                 _check_output(name, given, tuple(t.shape), t.dtype, t.device)
             grads.append(given)
         dq, dk, dv = grads
-        if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
-            empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
-            return dq, dk.zero_(), dv.zero_(), *empty
         given = {name: variant.pop(name, None) for name in ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths")}
         aux = variant.pop("aux", None)
         if variant:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
         extras = variant_arguments(self.spec, q, k, given, aux, lowered=self._lowered)
+        if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
+            empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
+            return dq, dk.zero_(), dv.zero_(), *empty
         shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
         work = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
         splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], multiprocessor_count(q.device))
@@ -139,9 +146,7 @@ def _described(t: Any) -> str:
 def _contiguous_rows(t):
     """``t`` where TMA can read it (last dim contiguous, 16-byte strides), else a contiguous copy:
     autograd hands gradients in whatever strides the next op produced."""
-    elems = 16 // t.element_size()
-    aligned = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1])
-    return t if aligned else t.contiguous()
+    return t if t.stride(-1) == 1 and tma_aligned(t) else t.contiguous()
 
 
 class TrainingKernels:

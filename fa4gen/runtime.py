@@ -511,9 +511,15 @@ def _check_tensor(name: str, t: Any, spec: AttentionSpec, last_dim: int) -> None
     _check_alignment(name, t)
 
 
+def tma_aligned(t: Any) -> bool:
+    """Whether TMA can read ``t``: a 16-byte aligned base and strides (but the last) of 16 bytes."""
+    elems = TENSOR_ALIGN_BYTES // t.element_size()
+    return t.data_ptr() % TENSOR_ALIGN_BYTES == 0 and not any(s % elems for s in t.stride()[:-1])
+
+
 def _check_alignment(name: str, t: Any) -> None:
     elems = TENSOR_ALIGN_BYTES // t.element_size()
-    if t.data_ptr() % TENSOR_ALIGN_BYTES or any(s % elems for s in t.stride()[:-1]):
+    if not tma_aligned(t):
         raise ValueError(
             f"{name} needs a {TENSOR_ALIGN_BYTES}-byte aligned base and strides that are multiples of "
             f"{elems} elements (got strides {t.stride()}); call .contiguous() first"
