@@ -19,6 +19,7 @@ from fa4gen.kernels.sm90.config import (
 )
 from fa4gen.planner.model import Plan, SeqlenSplit
 from fa4gen.planner.sm90_tables import (
+    FIRST_CALL_TILE_N,
     INTERIOR_FIRST_TILE_MAX_D,
     PAIR_TAIL_MIN_TILES,
     PAIR_TAIL_ROUNDS,
@@ -292,21 +293,22 @@ FIRST_CALL_OFF = {
 
 def first_call_sm90(p: Plan) -> Plan | None:
     """What a first call runs while ``p`` builds in the background: ``p`` without the options that
-    only add code for speed; None where ``p`` has none of them (a backward has none)."""
+    only add code for speed, on key tiles of at most FIRST_CALL_TILE_N; None where that is ``p``
+    (a backward has no first-call plan)."""
     if p.is_backward:
         return None
     update = {name: False for name in FIRST_CALL_OFF if getattr(p.config, name)}
+    reasons = {name: f"first calls: {FIRST_CALL_OFF[name]} (decision first-call-plan)" for name in update}
+    if p.config.tile_n > FIRST_CALL_TILE_N:
+        narrow = p.config.model_copy(update={**update, "tile_n": FIRST_CALL_TILE_N})
+        if not config_problem(narrow):
+            update["tile_n"] = FIRST_CALL_TILE_N
+            reasons["tile_n"] = (
+                f"first calls: {FIRST_CALL_TILE_N}-key tiles, a third less to compile (decision first-call-plan)"
+            )
     if not update:
         return None
-    quick = p.model_copy(
-        update={
-            "config": p.config.model_copy(update=update),
-            "reasons": {
-                **p.reasons,
-                **{name: f"first calls: {FIRST_CALL_OFF[name]} (decision first-call-plan)" for name in update},
-            },
-        }
-    )
+    quick = p.model_copy(update={"config": p.config.model_copy(update=update), "reasons": {**p.reasons, **reasons}})
     problem = config_problem(quick.config)
     assert not problem, problem
     return quick

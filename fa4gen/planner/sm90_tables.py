@@ -203,6 +203,9 @@ SM90_WIDE_WINDOW_SPLIT = (40, 232)
 SM90_PRESSURE_MAX_TILE_N_D256 = 64
 # the widest head dim whose kernels trace the first key tile a second time (decision interior-first-tile)
 INTERIOR_FIRST_TILE_MAX_D = 192
+# first calls on a cache miss run key tiles of at most this many keys: a third less to compile, on
+# every sum in another order (decision first-call-plan)
+FIRST_CALL_TILE_N = 64
 
 
 @dataclass(frozen=True)
