@@ -80,11 +80,14 @@ class BackwardKernel:
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
             return dq, dk.zero_(), dv.zero_(), *empty
         shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
-        work = {name: torch.empty(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
+        work = {
+            name: torch.empty(shape, dtype=torch.int32 if name == "dq_order" else torch.float32, device=q.device)
+            for name, shape in shapes.items()
+        }
         splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], multiprocessor_count(q.device))
         sums = self._partial_sums(k, splits)
         lse, dlse = lse.contiguous(), dlse.contiguous()
-        workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], *sums)
+        workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], work["dq_order"], *sums)
         self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, *extras)
         if splits > 1:  # the partials' sums, rounded
             dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])

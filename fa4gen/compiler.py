@@ -78,18 +78,16 @@ def _fake_extras(spec: AttentionSpec) -> list[Any]:
 
 def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
-    lse_log2, dk_accum, dv_accum, head_splits, *extras, stream): the workspaces compact fp32
-    (planner.backward_workspace_shapes), their padded head dims static; head_splits a run-time
-    Int32."""
+    lse_log2, dq_order, dk_accum, dv_accum, head_splits, *extras, stream): the workspaces compact
+    fp32 (dq_order int32; planner.backward_workspace_shapes), their padded head dims and the
+    semaphores' warpgroups static; head_splits a run-time Int32."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    def workspace(*static: int):
+    def workspace(*static: int, dtype=cutlass.Float32):
         shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), *static)
-        return make_fake_compact_tensor(
-            cutlass.Float32, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16
-        )
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
     d, dv = spec.head_dim, spec.dv
     tensors = [_fake_bshd(spec, dim) for dim in (d, d, dv, dv, dv)]
@@ -98,8 +96,9 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     sums = [workspace(plan.config.head_dim_padded), workspace(plan.config.head_dim_v_padded)]
     rows = [workspace(), workspace()]
+    order = workspace(plan.config.num_consumer_warpgroups, dtype=cutlass.Int32)
     extras = _fake_extras(spec)
-    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, *rows, *sums, cutlass.Int32(1), *extras, stream]
+    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, *rows, order, *sums, cutlass.Int32(1), *extras, stream]
 
 
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:

@@ -227,6 +227,11 @@ class AttentionSpec(BaseModel):
         None, description="Multiplier of q.k before softmax (default 1/sqrt(head_dim))."
     )
     return_lse: bool = Field(False, description="Also return the log-sum-exp per query row (B, Hq, Sq).")
+    deterministic: bool = Field(
+        False,
+        description="Training: gradients bit-identical from run to run (the key tiles add into dQ in "
+        "a fixed order; the forward is unchanged).",
+    )
     mask: MaskField | None = Field(
         None,
         description="none | causal | sliding_window | chunked | prefix_lm | document | expression "
@@ -478,6 +483,8 @@ class AttentionSpec(BaseModel):
             parts.append("sinks")
         if self.return_lse:
             parts.append("lse")
+        if self.deterministic:
+            parts.append("deterministic")
         return " ".join(parts)
 
 

@@ -323,4 +323,20 @@ def backward_specs() -> dict[str, AttentionSpec]:
     cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
     cases["d128-chunked256"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256})
     cases["prefix-lm"] = load_spec(SPECS_DIR / "prefix-lm.yaml")  # d128, LSE, prefix lengths per batch entry
+    # deterministic: dQ's sums in key-tile order, over every way the key tiles walk query tiles
+    for name in DETERMINISTIC_CASES:
+        cases[f"{name}-deterministic"] = cases[name].model_copy(update={"deterministic": True})
     return cases
+
+
+# the backward cases that also run deterministic (dense, causal, GQA, windows with the KV heads'
+# query heads split over two CTAs, chunks, prefix-LM, sinks)
+DETERMINISTIC_CASES = (
+    "d96-gqa1-dense",
+    "d128-gqa4-causal",
+    "d64-window-two-sided",
+    "d128-window100",
+    "d128-chunked256",
+    "prefix-lm",
+    "gpt-oss-sinks",
+)

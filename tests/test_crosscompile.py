@@ -35,6 +35,7 @@ def _nvdisasm() -> str | None:
 # specs whose first-call plans (planner.first_call_plan) are cross-compiled too: one per kind of
 # loop body they collapse (mask runs with a left bound, causal mask runs, chain + interior first tile)
 FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
+DETERMINISTIC_SPECS = ("llama3-8b", "llama4-chunked")  # backwards also built deterministic
 SOFTCAP_BACKWARD_SPILLS = 32  # spill instructions a soft-capped backward may have (22-28 measured)
 
 
@@ -69,7 +70,32 @@ def every_artifact(artifacts, warm_cache):
             spec = training_spec(result.spec)
             found[f"{name}.backward"] = fa4gen.build(spec, "sm_90a", cache_dir=root, kernel_plan=backward_plan(spec))
     assert any(name.endswith(".backward") for name in found), "no spec in specs/ has a backward"
+    for name in DETERMINISTIC_SPECS:
+        spec = training_spec(results[name].spec).model_copy(update={"deterministic": True})
+        found[f"{name}.backward-deterministic"] = fa4gen.build(
+            spec, "sm_90a", cache_dir=root, kernel_plan=backward_plan(spec)
+        )
     return found
+
+
+def test_only_a_deterministic_backward_takes_turns_at_dq(every_artifact):
+    """Deterministic: each warpgroup spins on its query tile's semaphore (an acquire load) before
+    its dQ reduce-add and passes the turn with a release add; otherwise no semaphore at all."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    for name, result in every_artifact.items():
+        if not result.plan.is_backward:
+            continue
+        sass = subprocess.run(
+            [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+        ).stdout
+        turns = len(re.findall(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", sass))
+        assert "UTMAREDG" in sass, f"{name}: dQ without its TMA reduce-add"
+        if result.plan.config.deterministic:
+            assert turns >= 2 and "MEMBAR.ALL.GPU" in sass and "FENCE.VIEW.ASYNC.G" in sass, name
+        else:
+            assert turns == 0, f"{name}: a semaphore in a backward that sums dQ in any order"
 
 
 def test_length_range_plans_are_built_beside_the_default(warm_cache):

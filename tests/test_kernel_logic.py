@@ -633,16 +633,19 @@ BACKWARD_MASK_CASES = {
 
 def _backward_key_ranges(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
     """Per (batch, key): [lo, hi) of the query rows that see it; per (batch, key tile): the
-    query tiles the CTA walks, as the backward kernel computes them (masking.key_query_range)."""
+    query tiles the CTA walks, as the backward kernel computes them (masking.key_query_range),
+    and per (batch, key tile, query tile it walks) its deterministic turn (key_tiles_before)."""
     keys = -(-seqlen_k // kernel.tile_n) * kernel.tile_n
     ranges = torch.full((batches, keys, 2), -1, dtype=torch.int32)
     tiles = torch.full((batches, keys // kernel.tile_n, 2), -1, dtype=torch.int32)
+    turns = torch.full((batches, keys // kernel.tile_n, -(-seqlen_q // kernel.tile_m)), -1, dtype=torch.int32)
     count, padded = len(extras), _padded(extras)
 
     @cute.jit
     def run(
         ranges: cute.Tensor,
         tiles: cute.Tensor,
+        turns: cute.Tensor,
         seqlen_q: Int32,
         seqlen_k: Int32,
         e0: cute.Tensor,
@@ -660,9 +663,18 @@ def _backward_key_ranges(kernel, seqlen_q: int, seqlen_k: int, batches: int, ext
                 m_min, m_max = kernel.key_queries.query_tiles_of_keys(n, b, seqlen_q, seqlen_k, args)
                 tiles[b, n, 0] = m_min
                 tiles[b, n, 1] = m_max
+                for m in cutlass.range(m_min, m_max, unroll=1):
+                    turns[b, n, m] = kernel.key_queries.key_tiles_before(n, m, b, seqlen_q, seqlen_k, args)
 
-    run(from_dlpack(ranges), from_dlpack(tiles), seqlen_q, seqlen_k, *(from_dlpack(v) for v in padded))
-    return ranges, tiles
+    run(
+        from_dlpack(ranges),
+        from_dlpack(tiles),
+        from_dlpack(turns),
+        seqlen_q,
+        seqlen_k,
+        *(from_dlpack(v) for v in padded),
+    )
+    return ranges, tiles, turns
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq{}-sk{}".format(*s))
@@ -678,7 +690,7 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
     extras = tuple(args[extra.name] for extra in lower(spec).extras)
-    ranges, tiles = _backward_key_ranges(kernel, seqlen_q, seqlen_k, batches, extras)
+    ranges, tiles, turns = _backward_key_ranges(kernel, seqlen_q, seqlen_k, batches, extras)
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)  # (B or 1, 1, Sq, Sk)
     rows = torch.arange(seqlen_q).view(-1, 1)
     for b in range(batches):
@@ -691,3 +703,9 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
             queries = seen[:, n * kernel.tile_n : (n + 1) * kernel.tile_n].any(dim=1).nonzero().flatten()
             if len(queries):
                 assert m_min * kernel.tile_m <= queries.min() and queries.max() < m_max * kernel.tile_m, (b, n)
+        # deterministic dQ: a key tile's turn at a query tile counts the lower key tiles walking it
+        walks = (torch.arange(turns.shape[2]).view(1, -1) >= tiles[b, :, :1]) & (
+            torch.arange(turns.shape[2]).view(1, -1) < tiles[b, :, 1:]
+        )
+        expected = torch.where(walks, walks.int().cumsum(dim=0) - 1, -1)
+        assert torch.equal(turns[b], expected.int()), f"batch {b}: turns at dQ"

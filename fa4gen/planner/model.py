@@ -102,13 +102,17 @@ def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] |
 
 
 def backward_workspace_shapes(p: Plan, batch: int, heads: int, seqlen_q: int) -> dict[str, tuple[int, ...]]:
-    """The backward's fp32 workspaces (fa4gen.kernels.sm90.bwd): dQ's accumulator and the rows'
-    dPsum and LSE in log2 units, over whole query tiles."""
+    """The backward's workspaces (fa4gen.kernels.sm90.bwd): dQ's fp32 accumulator and the rows'
+    dPsum and LSE in log2 units, over whole query tiles; ``dq_order`` (int32): deterministic, a
+    semaphore per query tile and consumer warpgroup, else a stand-in the kernel does not touch."""
     c = p.config
     assert isinstance(c, Sm90BwdConfig), "a backward plan"
-    rows = -(-max(seqlen_q, 1) // c.tile_m) * c.tile_m
+    tiles = -(-max(seqlen_q, 1) // c.tile_m)
+    rows = tiles * c.tile_m
+    order = (batch, heads, tiles, c.num_consumer_warpgroups) if c.deterministic else (1, 1, 1, 1)
     return {
         "dq_accum": (batch, heads, rows, c.head_dim_padded),
         "dpsum": (batch, heads, rows),
         "lse_log2": (batch, heads, rows),
+        "dq_order": order,
     }

@@ -64,6 +64,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         window_right=spec.right_bound,
         chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
         prefix_lm=spec.mask_kind == "prefix_lm",
+        deterministic=spec.deterministic,
     )
     config = Sm90BwdConfig(
         **variant,
@@ -80,6 +81,11 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
     problem = bwd_config_problem(config)
     assert not problem, f"the backward planner made a plan that cannot run: {problem}"
     why = dict.fromkeys(variant, "from the spec")
+    if spec.deterministic:
+        why["deterministic"] = (
+            "from the spec: each query tile's dQ takes the key tiles' sums in key order, one semaphore per "
+            "query tile and warpgroup (decision bwd-deterministic)"
+        )
     why.update(
         head_dim_padded="the head dim rounded up to the MMA's K granule (16)",
         head_dim_v_padded="the head dim rounded up to the MMA's K granule (16)",

@@ -275,6 +275,25 @@ class KeyTileRange:
             m_max = m_min
         return m_min, m_max
 
+    @cute.jit
+    def key_tiles_before(self, n_block: Int32, m_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """How many key tiles below ``n_block`` walk query tile ``m_block`` (which ``n_block``
+        walks): the deterministic backward's turn at that tile's dQ. The tiles walking it are
+        the run [first, n_block] where a tile's query tiles end past ``m_block``: their starts
+        never decrease, nor do their ends where a tile has queries (empty tiles lie only before
+        the first key any row sees or past the last), so a binary search finds ``first``."""
+        first = Int32(0)
+        if cutlass.const_expr(self.structural):
+            last = n_block
+            while first < last:
+                middle = (first + last) // 2
+                _, ends = self.query_tiles_of_keys(middle, batch, seqlen_q, seqlen_k, args)
+                if ends > m_block:
+                    last = middle
+                else:
+                    first = middle + 1
+        return n_block - first
+
 
 @cute.jit
 def visible_columns(offsets: cute.TensorSSA, first_col: Int32, start: Int32, end: Int32, check_start: bool):

@@ -12,7 +12,8 @@ every step: the KV head's query heads (so GQA needs no reduction across CTAs: dK
 written once, deterministically) times the query tiles that see the key tile. A step
 (bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
 registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
-accumulator in global memory (the only cross-CTA sum) that runs on during the next step.
+accumulator in global memory (the only cross-CTA sum) that runs on during the next step; a
+deterministic backward adds each query tile's dQ in key-tile order (bwd_step.py).
 
 Everything tile-shaped is a compile-time constant of Sm90BwdConfig; batch, heads and sequence
 lengths are run-time values.
@@ -82,6 +83,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D_pad) fp32 workspace
         mdPsum: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
+        mdQorder: cute.Tensor,  # (B, Hq, m_blocks, W) int32 workspace: dQ's turns, deterministic
         mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
         mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
         head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads
@@ -111,10 +113,10 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.shared_storage = SharedStorage
         batches, seqlen_q, heads_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum).launch(
+        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        self.kernel(*tmas, (mdK, mdV, mdKaccum, mdVaccum), head_splits, extras, *layouts).launch(
+        self.kernel(*tmas, mdQorder, (mdK, mdV, mdKaccum, mdVaccum), head_splits, extras, *layouts).launch(
             grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits, batches),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
@@ -201,6 +203,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tma_lse,
         tma_dpsum,
         tma_dq,
+        dq_order: cute.Tensor,
         outputs: tuple,
         head_splits: Int32,
         extras: tuple,
@@ -253,7 +256,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
-            self.consume(f, smem, pipes, where, tma_dq, (seqlen_q, seqlen_k, args))
+            self.consume(f, smem, pipes, where, (tma_dq, dq_order), (seqlen_q, seqlen_k, args))
             self.store_dk_dv(f, outputs, head_splits, (n_block, kv_head, batch), seqlen_k)
 
     @cute.jit
@@ -296,20 +299,38 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         )
 
     @cute.jit
-    def consume(self, f, smem: BwdSmem, pipes, where, tma_dq, sizes):
+    def consume(self, f, smem: BwdSmem, pipes, where, dq, sizes):
         """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``);
-        ``sizes``: (Sq, Sk, the variant's run-time values)."""
+        ``dq``: dQ's reduce-add TMA and its semaphores; ``sizes``: (Sq, Sk, the variant's run-time
+        values)."""
         pipe_kv, pipe_q, pipe_do = pipes
+        tma_dq, semaphores = dq
         n_block, kv_head, batch, m_min, count, first_head, heads = where
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        for step in cutlass.range(heads * count, unroll=1):
+        steps = heads * count
+        for step in cutlass.range(steps, unroll=1):
             head = first_head + step // count
             m_block = m_min + step % count
             self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, head, batch, m_block), sizes)
             acc_dq = self.products(f, pipe_do, state)
-            self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages)
+            order = None
+            if cutlass.const_expr(self.cfg.deterministic):
+                order = (semaphores, n_block, self._step_tile(where, step - 1), sizes)
+            self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages, order)
             self.dk_done(pipe_q, state)
             state.advance()
-        self.dq_stores_done(f)
+        last = None
+        if cutlass.const_expr(self.cfg.deterministic):
+            last = (*self._step_tile(where, steps - 1), batch)
+        self.dq_stores_done(f, semaphores, last)
+
+    @cute.jit
+    def _step_tile(self, where, step: Int32):
+        """(query tile, head) of ``step`` (query tile -1 before the first)."""
+        _, _, _, m_min, count, first_head, _ = where
+        m_block, head = Int32(-1), first_head
+        if step >= 0:
+            m_block, head = m_min + step % count, first_head + step // count
+        return m_block, head

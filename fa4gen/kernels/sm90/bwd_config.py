@@ -6,7 +6,7 @@ it again). Imports no CuTe DSL, so planning stays cheap.
 One backward is three launches (fa4gen.kernels.sm90.bwd): the preprocess (rowsum(dO * O), the
 LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (one CTA per key tile and KV
 head: dK and dV in registers over the group's query heads and query tiles, dQ added to the fp32
-accumulator), and the postprocess (dQ scaled and rounded).
+accumulator, in key-tile order when deterministic), and the postprocess (dQ scaled and rounded).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Sm90BwdConfig(BaseModel):
     window_right: int | None  # keys after it (0: causal; None: all)
     chunk: int | None  # chunked attention: causal within chunks of this many keys
     prefix_lm: bool  # keys below the batch entry's prefix length are seen by every row
+    # the key tiles add into dQ in a fixed order (a semaphore per query tile and warpgroup's
+    # share): gradients bit-identical from run to run
+    deterministic: bool
     # the schedule (from the planner)
     head_dim_padded: int
     head_dim_v_padded: int

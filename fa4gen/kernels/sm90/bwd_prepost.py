@@ -3,7 +3,7 @@ bwd.HopperAttentionBackward), one CTA of 128 threads per (query tile, head, batc
 
 - preprocess: per query row, dPsum = rowsum(dO * O) - dLSE in fp32 and the LSE in log2 units (+inf for
   rows past Sq and rows that saw no key, so every probability the main kernel recomputes there
-  is 0), and the tile's rows of dQ's fp32 accumulator zeroed;
+  is 0), and the tile's rows of dQ's fp32 accumulator zeroed (deterministic: its semaphores too);
 - postprocess: dQ = softmax_scale * accumulator, rounded to the input type.
 
 The workspaces have ceil(Sq / tile_m) * tile_m rows, so the main kernel reads and adds whole
@@ -16,7 +16,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from fa4gen.arch import WARPGROUP_THREADS
 
@@ -28,9 +28,10 @@ class Sm90BwdPrePost:
     """Needs tile_m, dqk (padded head dim), cfg (Sm90BwdConfig)."""
 
     @cute.kernel
-    def preprocess(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum):
+    def preprocess(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder):
         """mO, mdO: (B, Sq, H, Dv); mLSE, mdLSE (the LSE's gradient): (B, H, Sq); mdPsum,
-        mLSElog2: (B, H, Sq_pad); mdQaccum: (B, H, Sq_pad, D_pad)."""
+        mLSElog2: (B, H, Sq_pad); mdQaccum: (B, H, Sq_pad, D_pad); mdQorder: (B, H, m_blocks, W)
+        dQ's semaphores, zeroed when deterministic."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane, warp = tidx % WARP, tidx // WARP
@@ -61,6 +62,9 @@ class Sm90BwdPrePost:
         for i in cutlass.range_constexpr(self.tile_m * self.dqk // WARPGROUP_THREADS):
             flat = tidx + i * WARPGROUP_THREADS
             mdQaccum[batch, head, m_block * self.tile_m + flat // self.dqk, flat % self.dqk] = Float32(0.0)
+        if cutlass.const_expr(self.cfg.deterministic):
+            if tidx < self.cfg.num_consumer_warpgroups:
+                mdQorder[batch, head, m_block, tidx] = Int32(0)
 
     @cute.kernel
     def postprocess(self, mdQaccum, mdQ):

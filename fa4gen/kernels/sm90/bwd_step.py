@@ -10,7 +10,10 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
 3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
-   global memory by one TMA reduce-add per warpgroup, which runs on during the next step.
+   global memory by one TMA reduce-add per warpgroup, which runs on during the next step;
+   deterministic, each query tile's share takes the key tiles' sums in key order: a semaphore
+   per (query tile, warpgroup) counts the tiles added, and a key tile passes its turn once its
+   sum has landed, when it issues the next step's.
 """
 
 from __future__ import annotations
@@ -305,9 +308,10 @@ class Sm90BwdStep:
         pipe_q.consumer_release(state)
 
     @cute.jit
-    def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32):
+    def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32, order):
         """This warpgroup's dQ into staging buffer ``stage`` (free since ``products``) and its TMA
-        reduce-add into the accumulator, left running."""
+        reduce-add into the accumulator, left running; deterministic, in its key tile's turn
+        (``order``: the semaphores, this CTA's key tile, the step's tile before, the sizes)."""
         head, batch, m_block = at
         # the warp that issues the warpgroup's reduce-adds (a warp-uniform branch: a
         # thread-dependent one around the TMA serialized every wgmma of the kernel)
@@ -330,6 +334,13 @@ class Sm90BwdStep:
                 atom, 0, cute.make_layout(1), cute.group_modes(source, 0, 2), cute.group_modes(tiles, 0, 2)
             )
             row_tile = m_block * (self.tile_m // WGMMA_M) + (f.warpgroup if cutlass.const_expr(by_rows) else 0)
+            if cutlass.const_expr(self.cfg.deterministic):
+                semaphores, n_block, before, sizes = order
+                seqlen_q, seqlen_k, args = sizes
+                if before[0] >= 0:  # the step before: its sum landed, the next key tile may add
+                    self._pass_dq_turn(semaphores, (before[1], batch, before[0]), f.warpgroup)
+                turn = self.key_queries.key_tiles_before(n_block, m_block, batch, seqlen_q, seqlen_k, args)
+                self._await_dq_turn(semaphores, (head, batch, m_block), f.warpgroup, turn)
             cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
             cute.arch.cp_async_bulk_commit_group()
             # the next step's buffer is free once the reduce-add dq_stages - 1 steps back has read
@@ -337,10 +348,39 @@ class Sm90BwdStep:
             cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
 
     @cute.jit
-    def dq_stores_done(self, f: BwdFragments):
-        """Every reduce-add has read its staging buffer (shared memory ends with the CTA)."""
+    def dq_stores_done(self, f: BwdFragments, semaphores, last):
+        """Every reduce-add has read its staging buffer (shared memory ends with the CTA);
+        deterministic, the last step's (``last``: its query tile and head, tile -1: none) has
+        landed and the next key tile may add."""
         if f.warp == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(self.cfg.deterministic):
+                m_block, head, batch = last
+                if m_block >= 0:
+                    self._pass_dq_turn(semaphores, (head, batch, m_block), f.warpgroup)
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _await_dq_turn(self, semaphores, at, warpgroup_idx: Int32, turn: Int32):
+        """Spin (the issuing warp) until ``turn`` key tiles have added their share into this
+        query tile's dQ, then order this warp's reduce-add after theirs."""
+        head, batch, m_block = at
+        flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, warpgroup_idx), semaphores.layout)
+        seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        while seen != turn:
+            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def _pass_dq_turn(self, semaphores, at, warpgroup_idx: Int32):
+        """Once every reduce-add of this warp has landed in global memory (not just read its
+        buffer), count this key tile's turn at query tile ``at`` as taken."""
+        head, batch, m_block = at
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        if cute.arch.lane_idx() == 0:
+            flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, warpgroup_idx), semaphores.layout)
+            cute.arch.red(flag, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
     def store_dk_dv(self, f: BwdFragments, outputs, head_splits: Int32, at, seqlen_k: Int32):
