@@ -3,6 +3,7 @@
     python benchmarks/backward.py warm [--grid full|quick]            # any machine: compile the kernels
     python benchmarks/backward.py run  [--grid full|quick] [--match gqa8,d64] [--out rows.json]   # on the GPU
     python benchmarks/backward.py report rows.json > table.md
+    python benchmarks/backward.py {warm,run} --deterministic [--match d128]   # deterministic mode's cost
 
 Cells follow the forward grid's rule (fa4gen.bench: B x S = 16k tokens, Hq x d = 2048). Peers:
 flash-attn-4 (``flash_attn.cute.flash_attn_func`` under autograd), SDPA with the cuDNN and the
@@ -10,7 +11,9 @@ flash backends, and FlexAttention on the variant cells; each is skipped where it
 installed or does not run the cell. The backward is timed alone (fa4gen: the backward kernel on
 saved out and LSE; peers: autograd's backward of a recorded forward, graph kept) and with the
 forward (all through autograd). TFLOP/s counts 2.5x the forward's useful FLOPs for the backward
-(its five matrix products against the forward's two).
+(its five matrix products against the forward's two). With --deterministic a run times the
+backward kernel alone twice per cell, without and with ``spec.deterministic`` (no peers), and
+the report gives its cost.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fa4gen  # noqa: E402
 from fa4gen import bench  # noqa: E402
 from fa4gen.api import build_training, training_spec  # noqa: E402
+from fa4gen.planner import backward_plan  # noqa: E402
 from fa4gen.spec import AttentionSpec  # noqa: E402
 
 BACKWARD_FLOPS = 2.5
@@ -58,10 +62,19 @@ def _cells(args) -> list[bench.BenchCase]:
     return cases
 
 
+def _deterministic(spec: AttentionSpec) -> AttentionSpec:
+    return spec.model_copy(update={"deterministic": True})
+
+
 def warm(args) -> None:
     for spec in bench.specs_of(_cells(args)):
-        fa4gen.build(spec, "sm_90a")  # (fa4gen.compile(spec) looks it up before autograd runs the LSE one)
-        forward, backward = build_training(spec)
+        if args.deterministic:  # the backward alone, both ways, on the forward of the first
+            forward, backward = build_training(spec)
+            ordered = training_spec(_deterministic(spec))
+            fa4gen.build(ordered, "sm_90a", kernel_plan=backward_plan(ordered))
+        else:
+            fa4gen.build(spec, "sm_90a")  # (fa4gen.compile(spec) looks it up before autograd runs the LSE one)
+            forward, backward = build_training(spec)
         print(f"{spec.summary():36} {'compiled' if backward.built_now else 'cached'}", flush=True)
 
 
@@ -112,7 +125,7 @@ def _time_autograd(forward, input_sets):
     return alone, both
 
 
-def run_case(case: bench.BenchCase) -> dict:
+def run_case(case: bench.BenchCase, deterministic: bool = False) -> dict:
     import torch
 
     spec = case.spec
@@ -128,6 +141,14 @@ def run_case(case: bench.BenchCase) -> dict:
             out, lse = forward(q, k, v)
             saved.append((q, k, v, out, dout, lse))
     ms = bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)
+    if deterministic:  # the same saved tensors, then each way again (order-balanced)
+        ordered = fa4gen.compile_backward(_deterministic(spec))
+        ms_ordered = bench.time_ms(lambda *a: ordered(*a), saved, iters=10, warmup=2)
+        ms_ordered = (ms_ordered + bench.time_ms(lambda *a: ordered(*a), saved, iters=10, warmup=2)) / 2
+        ms = (ms + bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)) / 2
+        row["fa4gen"] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9}
+        row["deterministic"] = {"bwd_ms": ms_ordered, "bwd_tflops": BACKWARD_FLOPS * flops / ms_ordered / 1e9}
+        return row
     kernel = fa4gen.compile(spec)
     _, both = _time_autograd(lambda q, k, v: kernel(q, k, v), sets)
     row["fa4gen"] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9, "fwdbwd_ms": both}
@@ -144,8 +165,17 @@ def run_case(case: bench.BenchCase) -> dict:
 def run(args) -> None:
     rows = []
     for case in _cells(args):
-        row = run_case(case)
+        try:
+            row = run_case(case, args.deterministic)
+        except fa4gen.CacheMiss as exc:  # (FA4GEN_NO_COMPILE=1 with a cache holding only some cells)
+            print(f"{case.name:34} S={case.seqlen:5} skipped: {exc}", flush=True)
+            continue
         rows.append(row)
+        if args.deterministic:
+            mine, ordered = row["fa4gen"]["bwd_tflops"], row["deterministic"]["bwd_tflops"]
+            head = f"{case.name:34} S={case.seqlen:5} B={case.batch:2}"
+            print(f"{head}  bwd TFLOP/s {mine:.0f}, deterministic {ordered:.0f}", flush=True)
+            continue
         cells = "  ".join(
             f"{name} {row[name]['bwd_tflops']:.0f}/{row[name]['fwdbwd_ms']:.2f}ms"
             if "bwd_tflops" in row[name]
@@ -163,6 +193,8 @@ def report(args) -> None:
     import math
 
     rows = json.loads(Path(args.rows).read_text())["rows"]
+    if any("deterministic" in row for row in rows):
+        return _report_deterministic(rows)
     peers = [p for p in PEERS if any("bwd_tflops" in r.get(p, {}) for r in rows)]
     print(
         "| case | S | B | fa4gen | " + " | ".join(peers) + " | vs flash-attn-4 | vs cuDNN | fwd+bwd vs flash-attn-4 |"
@@ -195,6 +227,21 @@ def report(args) -> None:
             print(f"- fa4gen / {peer}: min {min(found):.2f}x, geometric mean {mean:.2f}x over {len(found)} cells")
 
 
+def _report_deterministic(rows: list[dict]) -> None:
+    """Deterministic mode's cost per cell: the backward kernel's TFLOP/s without and with it."""
+    import math
+
+    print("| case | S | B | backward TFLOP/s | deterministic | deterministic / default |\n|---|---|---|---|---|---|")
+    kept = []
+    for row in rows:
+        mine, ordered = row["fa4gen"]["bwd_tflops"], row["deterministic"]["bwd_tflops"]
+        kept.append(ordered / mine)
+        cells = f"{mine:.0f} | {ordered:.0f} | {ordered / mine:.2f}x"
+        print(f"| {row['name']} | {row['seqlen']} | {row['batch']} | {cells} |")
+    mean = math.exp(sum(map(math.log, kept)) / len(kept))
+    print(f"\n- deterministic / default: min {min(kept):.2f}x, geometric mean {mean:.2f}x over {len(kept)} cells")
+
+
 def _environment() -> dict:
     import torch
 
@@ -208,6 +255,7 @@ def main() -> None:
     parser.add_argument("--grid", choices=("full", "quick"), default="quick")
     parser.add_argument("--out", default="")
     parser.add_argument("--match", default="", help="only cells whose name contains one of these words (a,b)")
+    parser.add_argument("--deterministic", action="store_true", help="time deterministic mode's cost (no peers)")
     args = parser.parse_args()
     {"warm": warm, "run": run, "report": report}[args.mode](args)
 

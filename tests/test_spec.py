@@ -459,6 +459,7 @@ PLAUSIBLE = {
         }
     ),
     "sinks": st.booleans(),
+    "deterministic": st.booleans(),
     "aux": st.sampled_from(
         [
             {},

@@ -216,7 +216,10 @@ def test_yaml_errors_are_one_line(text: str, expected: str) -> None:
             "head_dim: abc\n",
             "spec.yaml: head_dim: Input should be a valid integer, unable to parse string as an integer (got 'abc')",
         ),
-        ("head_dimm: 64\n", "spec.yaml: head_dimm: unknown field; allowed: aux, causal, dtype, head_dim,"),
+        (
+            "head_dimm: 64\n",
+            "spec.yaml: head_dimm: unknown field; allowed: aux, causal, deterministic, dtype, head_dim,",
+        ),
         (
             "mask: {kind: chunked, size: 4, sizee: 3}\n",
             "spec.yaml: mask.chunked.sizee: unknown field; allowed: kind, size",
