@@ -1139,7 +1139,7 @@ def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     assert first_call_plan(p) is None and split_workspace_shape(p, 132) is None
     shapes = backward_workspace_shapes(p, 3, 8, 1000)
     rows = {"dq_accum": (3, 8, 1024, 96), "dpsum": (3, 8, 1024), "lse_log2": (3, 8, 1024)}
-    assert shapes == {**rows, "dq_order": (1, 1, 1, 1)}  # (a stand-in: dQ's sums in any order)
+    assert shapes == {**rows, "dq_order": (1, 1, 1, 2)}  # (a stand-in: dQ's sums in any order)
     ordered = backward_plan(AttentionSpec(head_dim=96, causal=True, deterministic=True))
     assert ordered.config.deterministic and "decision bwd-deterministic" in ordered.reasons["deterministic"]
     assert backward_workspace_shapes(ordered, 3, 8, 1000) == {**rows, "dq_order": (3, 8, 16, 2)}

@@ -109,7 +109,8 @@ def backward_workspace_shapes(p: Plan, batch: int, heads: int, seqlen_q: int) ->
     assert isinstance(c, Sm90BwdConfig), "a backward plan"
     tiles = -(-max(seqlen_q, 1) // c.tile_m)
     rows = tiles * c.tile_m
-    order = (batch, heads, tiles, c.num_consumer_warpgroups) if c.deterministic else (1, 1, 1, 1)
+    order = (batch, heads, tiles) if c.deterministic else (1, 1, 1)
+    order = (*order, c.num_consumer_warpgroups)  # (static in the kernel: the stand-in has it too)
     return {
         "dq_accum": (batch, heads, rows, c.head_dim_padded),
         "dpsum": (batch, heads, rows),
