@@ -97,6 +97,7 @@ HOST_ONLY_MODULES = frozenset(
         "testing.py",
         "tuned.py",
         "tuning.py",
+        "warm.py",
     }
 )
 HOST_ONLY_PACKAGES = frozenset({"integrations"})  # glue into other frameworks: calls kernels, never shapes one

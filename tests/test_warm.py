@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from fa4gen.cli import _candidate_jobs, collect_spec_files, warm_one
 from fa4gen.planner import candidates
 from fa4gen.specfile import load_spec
+from fa4gen.warm import candidate_jobs, collect_spec_files, warm_one
 
 ISOLATED_ENV = (
     "FA4GEN_CACHE_DIR",
@@ -238,12 +238,12 @@ def test_worker_takes_and_returns_plain_data(tmp_path: Path) -> None:
 
 def test_tuning_candidates_become_one_job_each(tmp_path: Path) -> None:
     specs = write_specs(tmp_path)
-    jobs = _candidate_jobs(specs / "plain.yml", "sm_90a")
+    jobs = candidate_jobs(specs / "plain.yml", "sm_90a")
     assert len(jobs) == len(candidates(load_spec(specs / "plain.yml"), "sm_90a")) > 5
     assert jobs[0].candidate is None and [job.candidate for job in jobs[1:]] == list(range(1, len(jobs)))
     assert jobs[3].label.endswith("[candidate 3]")
     # a spec that does not validate stays one job, so its build reports the error
-    assert [job.candidate for job in _candidate_jobs(specs / "nested" / "bad.yaml", "sm_90a")] == [None]
+    assert [job.candidate for job in candidate_jobs(specs / "nested" / "bad.yaml", "sm_90a")] == [None]
     miss = warm_one(str(specs / "plain.yml"), "sm_90a", str(tmp_path / "cache"), True, 2)
     assert miss is None  # not compiled yet, and the quick pass never compiles
 
