@@ -1159,3 +1159,22 @@ def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_masked_ctas_would
     assert head_splits(mha, 1, 1, 128, 132) == 1  # one query head per KV head: nothing to split
     odd = backward_plan(AttentionSpec(head_dim=64, qhead_per_kvhead=5))
     assert head_splits(odd, 1, 1, 128, 132) == 1  # (two partials only: an odd group stays whole)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_workspaces_have_the_static_extents_the_kernel_was_traced_with(deterministic):
+    """The runtime allocates the workspaces by backward_workspace_shapes; the kernel checks each
+    one's static extents (head dims, the semaphores' warpgroups) against its traced stand-ins."""
+    from fa4gen.api import training_spec
+    from fa4gen.compiler import fake_backward_arguments
+    from fa4gen.planner import backward_plan, backward_workspace_shapes
+
+    spec = training_spec(AttentionSpec(head_dim=96, causal=True, deterministic=deterministic))
+    p = backward_plan(spec)
+    traced = fake_backward_arguments(spec, p)[10:14]  # dq_accum, dpsum, lse_log2, dq_order
+    shapes = backward_workspace_shapes(p, 3, 8, 1000)
+    for name, fake in zip(("dq_accum", "dpsum", "lse_log2", "dq_order"), traced, strict=True):
+        assert len(fake.shape) == len(shapes[name]), name
+        static = [(extent, want) for extent, want in zip(fake.shape, shapes[name]) if isinstance(extent, int)]
+        assert all(extent == want for extent, want in static), (name, fake.shape, shapes[name])
+    assert isinstance(traced[3].shape[3], int), "the semaphores' warpgroups are static"
