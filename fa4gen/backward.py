@@ -18,13 +18,21 @@ from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
     _check_output,
     _check_tensor,
+    _packed_as_batch,
+    document_query_ranges,
     multiprocessor_count,
+    tables_can_build,
     tma_aligned,
     validate_inputs,
     variant_arguments,
 )
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import lower
+
+GRADS = ("dq", "dk", "dv")
+PACKED = ("q", "k", "v", "out", "dout", *GRADS)
+# the run-time tensors a backward takes by keyword (besides aux={...}), as the forward took them
+VARIANT_TENSORS = ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k")
 
 
 class BackwardKernel:
@@ -36,18 +44,30 @@ class BackwardKernel:
     log-sum-exp and dlse its gradient, if the LSE was used. Returns dq, dk, dv of q's, k's and
     v's shapes and dtype (written into ``dq`` / ``dk`` / ``dv`` where given); dk and dv are
     reduced over each KV head's query heads (GQA). ``variant``: the run-time values the forward
-    took (``sinks=``, ``alibi_slopes=``, ``rel_bias=``, ``prefix_lengths=``, ``aux=``), checked as the
-    forward checks them."""
+    took (``sinks=``, ``alibi_slopes=``, ``rel_bias=``, ``prefix_lengths=``, ``cu_seqlens_q=`` /
+    ``cu_seqlens_k=``, ``aux=``), checked as the forward checks them. With a document mask the
+    tensors are packed as the forward's: (total, H, D), lse and dlse (H, total)."""
 
     def __init__(self, spec: AttentionSpec, plan: Plan, function: Any, *, key: str = "", path: Path | None = None):
         self.spec, self.plan, self.key, self.path = spec, plan, key, path
         self._function = function
-        self._lowered = lower(spec)
+        self._lowered = lower(spec).for_backward()
+        self._doc_table: tuple = (None, None)  # documents: (cu_seqlens identity, table)
 
     def __repr__(self) -> str:
         return f"BackwardKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
 
     def __call__(self, q, k, v, out, dout, lse, dlse=None, *, dq=None, dk=None, dv=None, **variant):
+        if not self.spec.is_varlen:
+            return self._run(q, k, v, out, dout, lse, dlse, (dq, dk, dv), variant)
+        # packed documents: (total, H, D) tensors and an (H, total) LSE, as the forward's; the
+        # kernel sees batch 1
+        packed = [_packed(name, t) for name, t in zip(PACKED, (q, k, v, out, dout, dq, dk, dv))]
+        rows = [t.unsqueeze(0) if hasattr(t, "unsqueeze") else t for t in (lse, dlse)]
+        grads = self._run(*packed[:5], *rows, tuple(packed[5:]), variant)
+        return (*(g.squeeze(0) for g in grads[:3]), *grads[3:])
+
+    def _run(self, q, k, v, out, dout, lse, dlse, outputs, variant):
         import torch
 
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
@@ -64,17 +84,19 @@ class BackwardKernel:
             raise ValueError(f"dlse must be a tensor of shape {lse_shape} on {q.device}, got {_described(dlse)}")
         dlse = dlse.float()  # (autograd hands it in any strides, e.g. expanded from a sum)
         grads = []
-        for name, given, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        for name, given, t in zip(GRADS, outputs, (q, k, v)):
             if given is None:
                 given = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             else:
                 _check_output(name, given, tuple(t.shape), t.dtype, t.device)
             grads.append(given)
         dq, dk, dv = grads
-        given = {name: variant.pop(name, None) for name in ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths")}
+        given = {name: variant.pop(name, None) for name in VARIANT_TENSORS}
         aux = variant.pop("aux", None)
         if variant:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
+        if self.spec.is_varlen and tables_can_build(given["cu_seqlens_q"], given["cu_seqlens_k"]):
+            given["doc_query_ranges"] = self._document_table(given["cu_seqlens_q"], given["cu_seqlens_k"], q, k)
         extras = variant_arguments(self.spec, q, k, given, aux, lowered=self._lowered)
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
@@ -95,6 +117,18 @@ class BackwardKernel:
         if self.spec.sinks:
             return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"])
         return dq, dk, dv
+
+    def _document_table(self, cu_seqlens_q, cu_seqlens_k, q, k):
+        """``document_query_ranges`` for this kernel's key tiles, kept while both cu_seqlens are
+        the same unmodified tensors and the packed lengths the same."""
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k))
+        key += (q.shape[1], k.shape[1])
+        if self._doc_table[0] != key:
+            table = document_query_ranges(
+                self.spec, self.plan.config.tile_n, cu_seqlens_q, cu_seqlens_k, q.shape[1], k.shape[1]
+            )
+            self._doc_table = (key, table)
+        return self._doc_table[1]
 
     def _partial_sums(self, k, splits: int):
         """dK's and dV's fp32 sums over whole key tiles, zeroed, where the query heads are split
@@ -127,7 +161,9 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     stay bit-identical from run to run), else 1. Without a mask the CTAs are equal and splitting
     only adds the sums (decision bwd-tiles)."""
     c = plan.config
-    unequal = c.window_left is not None or c.window_right is not None or c.chunk is not None or c.prefix_lm
+    unequal = (
+        c.window_left is not None or c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
+    )
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
 
@@ -140,6 +176,11 @@ def sink_gradient(sinks, lse_log2, dpsum):
 
     probs = torch.exp2(sinks.float().view(1, -1, 1) * math.log2(math.e) - lse_log2)
     return -(probs * dpsum).sum(dim=(0, 2))
+
+
+def _packed(name: str, t: Any):
+    """A packed (total, H, D) tensor as the kernel's (1, total, H, D); None stays None."""
+    return None if t is None else _packed_as_batch(name, t)
 
 
 def _described(t: Any) -> str:

@@ -56,16 +56,18 @@ def _fake_lse():
     return make_fake_tensor(cutlass.Float32, shape, stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
 
-def _fake_extras(spec: AttentionSpec) -> list[Any]:
-    """The variant's run-time arguments (fa4gen.variants.lower, one place for their order):
-    tensors compact row-major, sizes symbolic unless the spec fixes them; scalars."""
+def _fake_extras(spec: AttentionSpec, backward: bool = False) -> list[Any]:
+    """The variant's run-time arguments (fa4gen.variants.lower, one place for their order; the
+    backward's, ``Lowered.for_backward``): tensors compact row-major, sizes symbolic unless the
+    spec fixes them; scalars."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     scalar_type = {"float32": cutlass.Float32, "int32": cutlass.Int32}
     extras = []
-    for extra in lower(spec).extras:
+    lowered = lower(spec)
+    for extra in (lowered.for_backward() if backward else lowered).extras:
         element = scalar_type[extra.dtype]
         if extra.is_tensor:
             shape = tuple(dim if isinstance(dim, int) else cute.sym_int32() for dim in extra.shape)
@@ -97,7 +99,7 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     sums = [workspace(plan.config.head_dim_padded), workspace(plan.config.head_dim_v_padded)]
     rows = [workspace(), workspace()]
     order = workspace(plan.config.num_consumer_warpgroups, dtype=cutlass.Int32)
-    extras = _fake_extras(spec)
+    extras = _fake_extras(spec, backward=True)
     return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, *rows, order, *sums, cutlass.Int32(1), *extras, stream]
 
 

@@ -117,6 +117,8 @@ def backward(
     alibi_slopes: torch.Tensor | None,
     rel_bias: torch.Tensor | None,
     prefix_lengths: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     aux_names: str,
     aux_tensors: list[torch.Tensor],
     scalar_names: str,
@@ -128,9 +130,8 @@ def backward(
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
     named = (aux_names, aux_tensors, scalar_names, scalar_values)
-    variant = _variant(
-        registered.spec, (sinks, alibi_slopes, rel_bias, None, None, None), (None, None), ([], []), named
-    )
+    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k)
+    variant = _variant(registered.spec, tensors, (None, None), ([], []), named)
     grads = registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
     return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
 
@@ -142,8 +143,9 @@ def _(q, k, v, out, dout, lse, dlse, kernel, sinks, *args):
 
 
 # the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
-# rel_bias, prefix_lengths, then the aux names, tensors, scalar names and values (fa4gen::forward's order)
-_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 14, 15, 16, 17)
+# rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, then the aux names, tensors, scalar names
+# and values (fa4gen::forward's order)
+_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 14, 15, 16, 17)
 SINKS_INPUT = 4
 
 

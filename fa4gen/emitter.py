@@ -109,7 +109,7 @@ def _environment():
 def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") -> EmittedKernel:
     kernel_module, config_module, template_name = KERNEL_TEMPLATES[plan.kernel]
     template = _environment().get_template(template_name)
-    lowered = lower(spec)
+    lowered = lower(spec).for_backward() if plan.is_backward else lower(spec)
     # aux tensors and scalars live on the kernel's run-time argument holder
     names = {extra.name: f"args.{extra.name}" for extra in lowered.extras}
     score_grad_code = None  # the backward's d(score_mod)/d(score), derived from the parsed tree

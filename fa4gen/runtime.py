@@ -264,15 +264,7 @@ class AttentionKernel:
             "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k,
         }
-        if varlen and all(
-            isinstance(t, torch.Tensor)
-            and t.ndim == 1
-            and t.dtype == torch.int32
-            and t.shape == cu_seqlens_q.shape
-            and t.shape[0] >= 2
-            for t in (cu_seqlens_q, cu_seqlens_k)
-        ):
-            # (malformed cu_seqlens build nothing: variant_arguments names what is wrong)
+        if varlen and tables_can_build(cu_seqlens_q, cu_seqlens_k):
             given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
@@ -380,6 +372,21 @@ def _longest_query(spec: AttentionSpec, q, max_seqlen_q) -> int | None:
     return shape[1] if shape is not None and len(shape) == 4 else None
 
 
+def tables_can_build(cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Whether both cu_seqlens are int32 vectors of one length >= 2, so the document tables can
+    be built from them (malformed ones build nothing: variant_arguments names what is wrong)."""
+    import torch
+
+    return all(
+        isinstance(t, torch.Tensor)
+        and t.ndim == 1
+        and t.dtype == torch.int32
+        and t.shape == cu_seqlens_q.shape
+        and t.shape[0] >= 2
+        for t in (cu_seqlens_q, cu_seqlens_k)
+    )
+
+
 def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q, cu_seqlens_k, total: int):
     """The kernel's document tables for ``total`` packed query rows (torch, on cu_seqlens' device):
     - key ranges, (total, 2) int32: the [start, end) of packed keys each row sees (its document's
@@ -429,6 +436,36 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
         dim=1,
     )
     return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), tiles.to(torch.int32).contiguous()
+
+
+def document_query_ranges(spec: AttentionSpec, tile_n: int, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """The backward's document table, (total_k, 3) int32 (torch, on cu_seqlens' device): per
+    packed key, [lo, hi) of the packed query rows that see it (its document's rows, causal /
+    window bounds aligned to the document's end as in ``document_tables``; hi == lo: none, keys
+    past the last document's end included), then how many key tiles below its own some row
+    sees (the deterministic backward counts its turns with it: masking.key_tiles_before). Both
+    lo and hi never decrease with the key."""
+    import torch
+
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    keys = torch.arange(total_k, device=cu_k.device)
+    docs = (torch.searchsorted(cu_k, keys, right=True) - 1).clamp_(0, cu_k.shape[0] - 2)
+    lo, hi = cu_q[docs].clone(), cu_q[docs + 1].clone()
+    shift = cu_k[docs + 1] - cu_q[docs + 1]  # a row's key position is row + shift
+    if spec.right_bound is not None:
+        lo = torch.maximum(lo, keys - shift - spec.right_bound)
+    if spec.left_bound is not None:
+        hi = torch.minimum(hi, keys - shift + spec.left_bound + 1)
+    outside = keys >= cu_k[docs + 1]  # past the last document's keys
+    lo = torch.where(outside, cu_q[-1], lo.clamp(max=cu_q[-1]))
+    hi = torch.maximum(hi, lo)
+    hi = torch.where(outside, lo, hi)
+    tiles = -(-total_k // tile_n)
+    seen = torch.zeros(tiles * tile_n, dtype=torch.bool, device=keys.device)
+    seen[:total_k] = hi > lo
+    with_queries = seen.view(tiles, tile_n).any(dim=1).long()
+    before = (torch.cumsum(with_queries, 0) - with_queries).repeat_interleave(tile_n)[:total_k]
+    return torch.stack((lo, hi, before), dim=1).to(torch.int32).contiguous()
 
 
 def _identity(value):

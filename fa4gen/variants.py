@@ -34,6 +34,7 @@ class Extra:
         "cu_seqlens_k",
         "doc_key_ranges",
         "doc_tiles",
+        "doc_query_ranges",
         "block_count",
         "block_index",
         "block_full",
@@ -58,6 +59,20 @@ class Lowered:
     # call arguments checked like extras that the kernel does not take: the callable derives
     # kernel tables from them (cu_seqlens -> every query row's key range)
     inputs: tuple[Extra, ...] = ()
+
+    def for_backward(self) -> Lowered:
+        """The backward kernel's extras: it walks keys, not query rows, so a document mask's
+        per-row key ranges and ranked query tiles give way to every packed key's query rows
+        (fa4gen.runtime.document_query_ranges)."""
+        extras: list[Extra] = []
+        for extra in self.extras:
+            if extra.role == "doc_key_ranges":
+                # per packed key: [lo, hi) of the query rows that see it, and how many key tiles
+                # below its tile some query sees (the deterministic backward's turns)
+                extras.append(Extra("doc_query_ranges", "doc_query_ranges", "int32", ("Sk", 3)))
+            elif extra.role != "doc_tiles":
+                extras.append(extra)
+        return Lowered(score=self.score, mask=self.mask, extras=tuple(extras), inputs=self.inputs)
 
 
 _KIND = {"float32": "float", "int32": "int"}

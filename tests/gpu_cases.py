@@ -287,7 +287,9 @@ AUTOGRAD_CASES = (
     "d64-relbias",
     "d64-gqa4-causal",
     "gpt-oss-sinks",
-)  # backward_specs run through autograd
+    "prefix-lm",
+    "packed-documents",
+)  # backward_specs run through autograd (prefix lengths and cu_seqlens through the backward op too)
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
 
@@ -323,6 +325,13 @@ def backward_specs() -> dict[str, AttentionSpec]:
     cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
     cases["d128-chunked256"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256})
     cases["prefix-lm"] = load_spec(SPECS_DIR / "prefix-lm.yaml")  # d128, LSE, prefix lengths per batch entry
+    # packed documents (documents of random lengths, packed): causal GQA 4, windows with the KV
+    # heads' query heads split over two CTAs, no mask beyond the documents
+    cases["packed-documents"] = load_spec(SPECS_DIR / "packed-documents.yaml")
+    cases["docs-window-gqa2"] = AttentionSpec(
+        head_dim=64, qhead_per_kvhead=2, window_left=100, window_right=0, mask="document"
+    )
+    cases["docs-d96-dense"] = AttentionSpec(head_dim=96, mask="document", return_lse=True)
     # deterministic: dQ's sums in key-tile order, over every way the key tiles walk query tiles
     for name in DETERMINISTIC_CASES:
         cases[f"{name}-deterministic"] = cases[name].model_copy(update={"deterministic": True})
@@ -330,7 +339,7 @@ def backward_specs() -> dict[str, AttentionSpec]:
 
 
 # the backward cases that also run deterministic (dense, causal, GQA, windows with the KV heads'
-# query heads split over two CTAs, chunks, prefix-LM, sinks); the first three are also the
+# query heads split over two CTAs, chunks, prefix-LM, sinks, documents); the first three are also the
 # specs of benchmarks/backward.py's cells d96, d128 causal and d128 gqa4 causal, whose
 # deterministic cost a run of `--deterministic` measures from the tests' cache
 DETERMINISTIC_CASES = (
@@ -342,4 +351,6 @@ DETERMINISTIC_CASES = (
     "d128-chunked256",
     "prefix-lm",
     "gpt-oss-sinks",
+    "packed-documents",
+    "docs-window-gqa2",
 )

@@ -35,7 +35,7 @@ def _nvdisasm() -> str | None:
 # specs whose first-call plans (planner.first_call_plan) are cross-compiled too: one per kind of
 # loop body they collapse (mask runs with a left bound, causal mask runs, chain + interior first tile)
 FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
-DETERMINISTIC_SPECS = ("llama3-8b", "llama4-chunked")  # backwards also built deterministic
+DETERMINISTIC_SPECS = ("llama3-8b", "llama4-chunked", "packed-documents")  # backwards also built deterministic
 SOFTCAP_BACKWARD_SPILLS = 32  # spill instructions a soft-capped backward may have (22-28 measured)
 
 

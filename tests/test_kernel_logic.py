@@ -27,7 +27,7 @@ from fa4gen.kernels.common.scheduler import TileScheduler
 from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.state import LaunchSizes
 from fa4gen.planner.sm90_tables import PAIR_TAIL_MIN_TILES
-from fa4gen.runtime import document_tables
+from fa4gen.runtime import document_query_ranges, document_tables
 from fa4gen.testing import visible_keys
 from fa4gen.variants import lower
 
@@ -627,7 +627,17 @@ def test_per_thread_masking_keeps_exactly_the_visible_scores(name, shape):
 # --------------------------------------------------------------------------- the backward's mask
 BACKWARD_MASK_CASES = {
     name: KEY_TILE_CASES[name][0]
-    for name in ("plain", "causal", "window", "window-left-only", "causal-window", "chunked", "prefix-lm")
+    for name in (
+        "plain",
+        "causal",
+        "window",
+        "window-left-only",
+        "causal-window",
+        "chunked",
+        "prefix-lm",
+        "documents",
+        "documents-window",
+    )
 }
 
 
@@ -689,7 +699,10 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
     kernel = _kernel(spec, backward_plan(spec))
     seqlen_q, seqlen_k = shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
-    extras = tuple(args[extra.name] for extra in lower(spec).extras)
+    if spec.is_varlen:  # the backward's table (checked here against visible_keys, written apart)
+        cu = (args["cu_seqlens_q"], args["cu_seqlens_k"])
+        args["doc_query_ranges"] = document_query_ranges(spec, kernel.tile_n, *cu, seqlen_q, seqlen_k)
+    extras = tuple(args[extra.name] for extra in lower(spec).for_backward().extras)
     ranges, tiles, turns = _backward_key_ranges(kernel, seqlen_q, seqlen_k, batches, extras)
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)  # (B or 1, 1, Sq, Sk)
     rows = torch.arange(seqlen_q).view(-1, 1)

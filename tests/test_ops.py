@@ -386,7 +386,18 @@ def test_the_backward_op_is_registered_with_its_fake():
     q, k, v = _inputs(1, 5, 7, fa4gen.AttentionSpec(head_dim=16), device="meta")
     lse = q.new_empty(1, 2, 5).float()
     dq, dk, dv, dsinks = torch.ops.fa4gen.backward(
-        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, None, "", [], "", []
+        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, None, None, None, "", [], "", []
     )
     assert dsinks.shape == (0,)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_the_backward_op_takes_the_forward_arguments_it_names():
+    """Autograd hands the backward op the forward op's arguments at _BACKWARD_ARGUMENTS: each is
+    the forward's argument of the backward's parameter name (prefix lengths and cu_seqlens
+    included, so prefix-LM and documents train through the op)."""
+    from fa4gen.custom_op import _BACKWARD_ARGUMENTS
+
+    forward = [a.name for a in torch.ops.fa4gen.forward.default._schema.arguments]
+    backward = [a.name for a in torch.ops.fa4gen.backward.default._schema.arguments]
+    assert [forward[i] for i in _BACKWARD_ARGUMENTS] == backward[7:]

@@ -1084,7 +1084,14 @@ def test_backward_plans_every_supported_head_dim_and_mask():
     from fa4gen.planner import backward_plan
 
     for d in range(8, 129, 8):
-        for mask in ({}, {"causal": True}, {"window_left": 100, "window_right": 7}, {"causal": True, "softcap": 30.0}):
+        masks = (
+            {},
+            {"causal": True},
+            {"window_left": 100, "window_right": 7},
+            {"causal": True, "softcap": 30.0},
+            {"causal": True, "mask": "document"},
+        )
+        for mask in masks:
             p = backward_plan(AttentionSpec(head_dim=d, qhead_per_kvhead=4, **mask))
             assert p.kernel == "HopperAttentionBackward" and p.is_backward
             assert bwd_config_problem(p.config) == ""
@@ -1098,7 +1105,6 @@ def test_backward_plans_every_supported_head_dim_and_mask():
     [
         ({"head_dim": 192, "head_dim_v": 128}, "head_dim=192"),
         ({"head_dim": 256}, "head_dim=256"),
-        ({"causal": True, "mask": {"kind": "document"}}, "mask.kind=document"),
         ({"mask": {"kind": "expression", "expr": "q_idx >= kv_idx"}}, "mask.kind=expression"),
     ],
 )
@@ -1157,6 +1163,8 @@ def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_masked_ctas_would
     assert head_splits(dense, 4, 2, 4096, 132) == 1  # equal CTAs: splitting only adds the sums
     mha = backward_plan(AttentionSpec(head_dim=128, causal=True))
     assert head_splits(mha, 1, 1, 128, 132) == 1  # one query head per KV head: nothing to split
+    documents = backward_plan(AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask="document"))
+    assert documents.config.document and head_splits(documents, 1, 2, 4096, 132) == 2  # unequal documents
     odd = backward_plan(AttentionSpec(head_dim=64, qhead_per_kvhead=5))
     assert head_splits(odd, 1, 1, 128, 132) == 1  # (two partials only: an odd group stays whole)
 

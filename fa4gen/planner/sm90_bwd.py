@@ -28,8 +28,10 @@ def _round_up(value: int, granule: int) -> int:
 
 def backward_problem(spec: AttentionSpec) -> str:
     """Why ``spec`` has no backward kernel on sm_90a ("" when it has one)."""
-    if spec.mask_kind in ("document", "expression"):
-        return f"mask.kind={spec.mask_kind}: the backward supports causal, window, chunked and prefix-LM masks so far"
+    if spec.mask_kind == "expression":
+        return (
+            "mask.kind=expression: the backward supports causal, window, chunked, prefix-LM and document masks so far"
+        )
     lowered = lower(spec)
     if lowered.score is not None:
         try:
@@ -59,11 +61,12 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         scale_log2=LOG2E if lowered.score is not None else spec.scale * LOG2E,
         softcap=spec.softcap,
         score_mod=lowered.score is not None,
-        extra_names=tuple(extra.name for extra in lowered.extras),
+        extra_names=tuple(extra.name for extra in lowered.for_backward().extras),
         window_left=spec.left_bound,
         window_right=spec.right_bound,
         chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
         prefix_lm=spec.mask_kind == "prefix_lm",
+        document=spec.mask_kind == "document",
         deterministic=spec.deterministic,
     )
     config = Sm90BwdConfig(

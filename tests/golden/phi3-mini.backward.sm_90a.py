@@ -34,6 +34,7 @@ CONFIG = Sm90BwdConfig(
     window_right=0,
     chunk=None,
     prefix_lm=False,
+    document=False,
     deterministic=False,
     head_dim_padded=96,
     head_dim_v_padded=96,

@@ -34,6 +34,7 @@ CONFIG = Sm90BwdConfig(
     window_right=None,
     chunk=None,
     prefix_lm=True,
+    document=False,
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,

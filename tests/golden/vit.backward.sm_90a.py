@@ -33,6 +33,7 @@ CONFIG = Sm90BwdConfig(
     window_right=None,
     chunk=None,
     prefix_lm=False,
+    document=False,
     deterministic=False,
     head_dim_padded=64,
     head_dim_v_padded=64,

@@ -239,11 +239,22 @@ class KeyTileRange:
     @cute.jit
     def key_query_range(self, key: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """[lo, hi) of the query rows that see key ``key`` (the backward's view of the mask, one
-        key per accumulator row): the row_range intervals read the other way, for every mask
-        but documents. A row at key position p sees k when p - left <= k <= p + right, when k
-        lies in p's chunk (p // C * C <= k <= p), or, prefix-LM, when k < its batch entry's
-        prefix length or k <= p."""
-        assert not self.document, "documents: the rows' key ranges come from a table"
+        key per accumulator row): the row_range intervals read the other way. Both never
+        decrease with the key; keys past Sk get an empty range."""
+        if cutlass.const_expr(self.document):  # the caller's table (runtime.document_query_ranges)
+            row = cutlass.min(key, seqlen_k - 1)
+            lo, hi = args.doc_query_ranges[row, 0], args.doc_query_ranges[row, 1]
+            if key >= seqlen_k:
+                lo = hi
+        else:
+            lo, hi = self.formula_query_range(key, batch, seqlen_q, seqlen_k, args)
+        return lo, hi
+
+    @cute.jit
+    def formula_query_range(self, key: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """``key_query_range`` of every mask but documents. A row at key position p sees k when
+        p - left <= k <= p + right, when k lies in p's chunk (p // C * C <= k <= p), or,
+        prefix-LM, when k < its batch entry's prefix length or k <= p."""
         shift = seqlen_k - seqlen_q  # a row's key position is row + shift
         lo, hi = Int32(0), seqlen_q
         if cutlass.const_expr(self.prefix):  # (its end replaces a right bound's: formula_row_range)
@@ -259,12 +270,14 @@ class KeyTileRange:
         lo = cutlass.min(lo, seqlen_q)
         if key >= seqlen_k:
             hi = lo
-        return lo, cutlass.max(hi, lo)  # both never decrease with the key (below Sk)
+        return lo, cutlass.max(hi, lo)
 
     @cute.jit
     def query_tiles_of_keys(self, n_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
-        """[m_min, m_max) of the query tiles that see some key of key tile ``n_block`` (empty
-        past Sk): the first key's lowest row and the last key's highest, both never decreasing."""
+        """[m_min, m_max) of the query tiles that see some key of key tile ``n_block``: the
+        first key's lowest row and the last key's highest. A tile no row sees gets the empty
+        range at its first key's lowest row, rounded up, so both ends never decrease with the
+        key tile (also where documents or windows leave tiles without queries between others)."""
         first_key = n_block * self.tile_n
         last_key = cutlass.min(first_key + self.tile_n, seqlen_k) - 1
         lo, _ = self.key_query_range(first_key, batch, seqlen_q, seqlen_k, args)
@@ -272,17 +285,21 @@ class KeyTileRange:
         m_min = lo // self.tile_m
         m_max = cute.ceil_div(hi, self.tile_m)
         if first_key >= seqlen_k or hi <= lo:
+            m_min = cute.ceil_div(lo, self.tile_m)
             m_max = m_min
         return m_min, m_max
 
     @cute.jit
     def key_tiles_before(self, n_block: Int32, m_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
         """How many key tiles below ``n_block`` walk query tile ``m_block`` (which ``n_block``
-        walks): the deterministic backward's turn at that tile's dQ. The tiles walking it are
-        the run [first, n_block] where a tile's query tiles end past ``m_block``: their starts
-        never decrease, nor do their ends where a tile has queries (empty tiles lie only before
-        the first key any row sees or past the last), so a binary search finds ``first``."""
+        walks): the deterministic backward's turn at that tile's dQ. Both ends of the key
+        tiles' query tiles never decrease, so a binary search finds the first tile whose query
+        tiles end past ``m_block``, and every tile from it up to ``n_block`` that has queries
+        walks it: their count, from the documents' table of tiles with queries below each
+        tile (documents), or all of them (the formula masks leave no tile without queries
+        between two with)."""
         first = Int32(0)
+        before = n_block
         if cutlass.const_expr(self.structural):
             last = n_block
             while first < last:
@@ -292,7 +309,11 @@ class KeyTileRange:
                     last = middle
                 else:
                     first = middle + 1
-        return n_block - first
+            before = n_block - first
+            if cutlass.const_expr(self.document):
+                ranks = args.doc_query_ranges
+                before = ranks[n_block * self.tile_n, 2] - ranks[first * self.tile_n, 2]
+        return before
 
 
 @cute.jit

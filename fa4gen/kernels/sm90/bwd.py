@@ -62,7 +62,13 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.q_stages, self.dq_stages = config.q_stages, config.dq_stages
         # the mask read per key: the query rows that see it (masking.key_query_range)
         self.key_queries = KeyTileRange(
-            self.tile_m, self.tile_n, config.window_left, config.window_right, config.chunk, config.prefix_lm
+            self.tile_m,
+            self.tile_n,
+            config.window_left,
+            config.window_right,
+            config.chunk,
+            config.prefix_lm,
+            document=config.document,
         )
         self.threads = WARPGROUP_THREADS * (1 + self.num_consumers)
 

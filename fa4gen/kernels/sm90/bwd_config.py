@@ -42,6 +42,9 @@ class Sm90BwdConfig(BaseModel):
     window_right: int | None  # keys after it (0: causal; None: all)
     chunk: int | None  # chunked attention: causal within chunks of this many keys
     prefix_lm: bool  # keys below the batch entry's prefix length are seen by every row
+    # packed documents: every key's query rows come from a table (runtime.document_query_ranges),
+    # causal / window bounds aligned to each document's end
+    document: bool
     # the key tiles add into dQ in a fixed order (a semaphore per query tile and warpgroup's
     # share): gradients bit-identical from run to run
     deterministic: bool

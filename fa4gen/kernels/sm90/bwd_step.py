@@ -213,8 +213,9 @@ class Sm90BwdStep:
         first_col = m_block * self.tile_m + coords[0, 0][1]
         key = n_block * self.tile_n + coords[r, 0][0]
         lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-        # (the lowest query that sees a key is 0 without a right bound, chunks or a prefix)
-        starts = self.cfg.window_right is not None or self.cfg.chunk is not None or self.cfg.prefix_lm
+        # (the lowest query that sees a key is 0 without a right bound, chunks, a prefix or documents)
+        c = self.cfg
+        starts = c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
         return visible_columns(offsets, first_col, lo, hi, starts)
 
     @cute.jit
