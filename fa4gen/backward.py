@@ -10,12 +10,15 @@ every other kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
+from fa4gen.blockmask import build_backward_block_mask
 from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
+    BlockMaskCache,
     _check_output,
     _check_tensor,
     _packed_as_batch,
@@ -53,6 +56,7 @@ class BackwardKernel:
         self._function = function
         self._lowered = lower(spec).for_backward()
         self._doc_table: tuple = (None, None)  # documents: (cu_seqlens identity, table)
+        self._block_masks = BlockMaskCache()  # expression masks, per shape and aux values
 
     def __repr__(self) -> str:
         return f"BackwardKernel({self.spec.summary()}, arch={self.plan.arch}, key={self.key[:12]})"
@@ -97,7 +101,7 @@ class BackwardKernel:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
         if self.spec.is_varlen and tables_can_build(given["cu_seqlens_q"], given["cu_seqlens_k"]):
             given["doc_query_ranges"] = self._document_table(given["cu_seqlens_q"], given["cu_seqlens_k"], q, k)
-        extras = variant_arguments(self.spec, q, k, given, aux, lowered=self._lowered)
+        extras = self._extras(q, k, given, aux)
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
             return dq, dk.zero_(), dv.zero_(), *empty
@@ -117,6 +121,29 @@ class BackwardKernel:
         if self.spec.sinks:
             return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"])
         return dq, dk, dv
+
+    def _extras(self, q, k, given, aux) -> list:
+        """The kernel's extras (variant_arguments); an expression mask's backward block mask,
+        built (and cached) once the values it reads have passed their checks."""
+        lowered = self._lowered
+        tables = [e for e in lowered.extras if e.role.startswith("bwd_block_")]
+        if not tables:
+            return variant_arguments(self.spec, q, k, given, aux, lowered=lowered)
+        checked = dataclasses.replace(lowered, extras=tuple(e for e in lowered.extras if e not in tables))
+        values = iter(variant_arguments(self.spec, q, k, given, aux, lowered=checked))
+        batch, seqlen_q, heads, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+        c = self.plan.config
+        mask = self._block_masks.get(
+            lowered.mask,
+            (batch, heads, seqlen_q, seqlen_k, q.device),
+            aux,
+            lambda: build_backward_block_mask(
+                self.spec, c.tile_m, c.tile_n, batch, heads, seqlen_q, seqlen_k, {"aux": dict(aux or {})}, q.device
+            ),
+        )
+        return [
+            getattr(mask, e.role.removeprefix("bwd_block_")) if e in tables else next(values) for e in lowered.extras
+        ]
 
     def _document_table(self, cu_seqlens_q, cu_seqlens_k, q, k):
         """``document_query_ranges`` for this kernel's key tiles, kept while both cu_seqlens are
@@ -162,7 +189,12 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     only adds the sums (decision bwd-tiles)."""
     c = plan.config
     unequal = (
-        c.window_left is not None or c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
+        c.window_left is not None
+        or c.window_right is not None
+        or c.chunk is not None
+        or c.prefix_lm
+        or c.document
+        or c.expression_mask
     )
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1

@@ -56,33 +56,35 @@ def _structural(spec: AttentionSpec, q_idx, kv_idx, seqlen_q: int, seqlen_k: int
     return keep
 
 
-def build_block_mask(
+def tile_visibility(
     spec: AttentionSpec,
-    plan: Plan,
+    tile_m: int,
+    tile_n: int,
     batch: int,
     heads: int,
     seqlen_q: int,
     seqlen_k: int,
     args: dict | None = None,
     device: Any = "cuda",
-) -> BlockMask:
-    """Evaluate the spec's expression mask on ``device`` and reduce it to the plan's tiles."""
+):
+    """(some, every), bool (Bm, Hm, M, N): whether some / every (query, key) pair of query tile m
+    and key tile n is visible (expression mask and causal / window bounds; rows past Sq never
+    count, keys past Sk are never visible). ``heads``: query heads."""
     import torch
 
     lowered = lower(spec)
     if lowered.mask is None:
         raise ValueError(f"spec ({spec.summary()}) has no expression mask: its kernel needs no block mask")
-    tile_m, tile_n = plan.config.tile_m, plan.config.tile_n
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     mask_b = batch if "b" in lowered.mask.uses else 1
     mask_h = heads if "h" in lowered.mask.uses else 1
+    if m_blocks == 0 or n_blocks == 0:
+        empty = torch.zeros(mask_b, mask_h, m_blocks, n_blocks, dtype=torch.bool, device=device)
+        return empty, empty.clone()
     args = args or {}
     env: dict[str, Any] = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, **args.get("aux", {})}
     env["b"] = torch.arange(mask_b, device=device).view(-1, 1, 1, 1)
     env["h"] = torch.arange(mask_h, device=device).view(1, -1, 1, 1)
-    if m_blocks == 0 or n_blocks == 0:
-        empty = torch.zeros(mask_b, mask_h, m_blocks, max(n_blocks, 1), dtype=torch.int32, device=device)
-        return BlockMask(empty[..., 0].contiguous(), empty, empty.clone(), tile_m, tile_n, seqlen_q, seqlen_k)
     kv_idx = torch.arange(n_blocks * tile_n, device=device).view(1, 1, 1, -1)
     # padded positions are evaluated at the last real index (aux lookups stay in range) and
     # then dropped by the structural mask / the real-row mask
@@ -99,17 +101,88 @@ def build_block_mask(
         real_rows = (q_idx < seqlen_q).reshape(1, 1, rows // tile_m, tile_m, 1, 1)
         any_parts.append((tiles & real_rows).any(dim=5).any(dim=3))
         all_parts.append((tiles | ~real_rows).all(dim=5).all(dim=3))  # rows past Sq do not count
-    nonempty = torch.cat(any_parts, dim=2)
-    full = torch.cat(all_parts, dim=2) & nonempty
-    # non-empty key tiles first, highest n first: sort by (non-empty, n) descending
-    n = torch.arange(n_blocks, device=device)
-    order = torch.argsort(torch.where(nonempty, n + 1, 0), dim=-1, descending=True, stable=True)
-    count = nonempty.sum(dim=-1, dtype=torch.int32)
-    index = torch.where(torch.gather(nonempty, -1, order), order, 0).to(torch.int32)
-    full_sorted = torch.gather(full, -1, order).to(torch.int32)
-    return BlockMask(
-        count.contiguous(), index.contiguous(), full_sorted.contiguous(), tile_m, tile_n, seqlen_q, seqlen_k
-    )
+    some = torch.cat(any_parts, dim=2)
+    return some, torch.cat(all_parts, dim=2) & some
+
+
+def _ranked(some, every, descending: bool):
+    """(count, index, full, order) over the last dim: how many tiles some pair of is visible,
+    those tiles' indices first (highest first, or lowest first), zero-padded, whether every pair
+    of each is visible, and the permutation that ranks them."""
+    import torch
+
+    n = torch.arange(some.shape[-1], device=some.device)
+    rank = torch.where(some, n + 1, 0) if descending else torch.where(some, some.shape[-1] - n, 0)
+    order = torch.argsort(rank, dim=-1, descending=True, stable=True)
+    listed = torch.gather(some, -1, order)
+    count = some.sum(dim=-1, dtype=torch.int32)
+    index = torch.where(listed, order, 0).to(torch.int32)
+    full = torch.gather(every, -1, order).to(torch.int32)
+    return count.contiguous(), index.contiguous(), full.contiguous(), order
+
+
+def build_block_mask(
+    spec: AttentionSpec,
+    plan: Plan,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    args: dict | None = None,
+    device: Any = "cuda",
+) -> BlockMask:
+    """Evaluate the spec's expression mask on ``device`` and reduce it to the plan's tiles."""
+    tile_m, tile_n = plan.config.tile_m, plan.config.tile_n
+    some, every = tile_visibility(spec, tile_m, tile_n, batch, heads, seqlen_q, seqlen_k, args, device)
+    if some.shape[-1] == 0:  # (no key tile: one zero column keeps the index tensor non-empty)
+        some = every = some.new_zeros((*some.shape[:-1], 1))
+    count, index, full, _ = _ranked(some, every, descending=True)  # the forward walks key tiles down
+    return BlockMask(count, index, full, tile_m, tile_n, seqlen_q, seqlen_k)
+
+
+@dataclass(frozen=True)
+class BackwardBlockMask:
+    """The backward's view of an expression mask: per (Bm, Hm, key tile n) the query tiles some
+    pair of is visible, lowest first (Hm: KV heads where the mask reads h, each the union of its
+    query heads: one CTA walks them all). ``count`` (Bm, Hm, N); ``index``, ``full`` (every pair
+    visible, for every query head of the group: no mask code) and ``turn`` (how many key tiles
+    below n walk that query tile: the deterministic backward's turn at its dQ), (Bm, Hm, N, M)."""
+
+    count: Any
+    index: Any
+    full: Any
+    turn: Any
+
+
+def build_backward_block_mask(
+    spec: AttentionSpec,
+    tile_m: int,
+    tile_n: int,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    args: dict | None = None,
+    device: Any = "cuda",
+) -> BackwardBlockMask:
+    """Evaluate the spec's expression mask on ``device`` and reduce it to the backward's tiles
+    (``heads``: query heads)."""
+    import torch
+
+    some, every = tile_visibility(spec, tile_m, tile_n, batch, heads, seqlen_q, seqlen_k, args, device)
+    group = spec.qhead_per_kvhead
+    if some.shape[1] > 1 and group > 1:  # a KV head's CTAs walk the union of its query heads
+        b, h, m, n = some.shape
+        some = some.view(b, h // group, group, m, n).any(dim=2)
+        every = every.view(b, h // group, group, m, n).all(dim=2) & some
+    some, every = some.transpose(2, 3), every.transpose(2, 3)  # (Bm, Hm, N, M)
+    if some.shape[-1] == 0:
+        some = every = some.new_zeros((*some.shape[:-1], 1))
+    count, index, full, order = _ranked(some, every, descending=False)
+    walks = some.int()
+    before = torch.cumsum(walks, dim=2) - walks  # key tiles below n walking query tile m
+    turn = torch.where(torch.gather(some, -1, order), torch.gather(before, -1, order), 0).to(torch.int32)
+    return BackwardBlockMask(count, index, full, turn.contiguous())
 
 
 def check_block_mask(bm: Any, plan: Plan, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: Any) -> None:

@@ -108,7 +108,7 @@ class AttentionKernel:
         self._builder = builder
         self._pending = None  # background.PendingBuild of this plan's kernel while a first-call one runs
         self._build_lock = threading.Lock()
-        self._block_masks: dict = {}  # expression masks: (shape, aux identity) -> BlockMask
+        self._block_masks = BlockMaskCache()  # expression masks, per shape and aux values
         self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
         self._lowered = lower(spec)  # parsed once: calls only look it up
         self.handle = op_handle(self)  # names this kernel to the torch custom op (fa4gen.custom_op)
@@ -307,23 +307,38 @@ class AttentionKernel:
 
     def _cached_block_mask(self, q, k, aux):
         """A block mask for this call, reused while the shape, the scalars and the aux tensors the
-        mask reads (same tensor, unmodified: torch's version counter) stay the same."""
-        uses = self._lowered.mask.uses
-        values = {name: value for name, value in (aux or {}).items() if name in uses}
-        key = (
-            q.shape[0],
-            q.shape[2],
-            q.shape[1],
-            k.shape[1],
-            str(q.device),
-            tuple(sorted((n, _identity(v)) for n, v in values.items())),
+        mask reads stay the same (``BlockMaskCache``)."""
+        batch, heads, seqlen_q, seqlen_k = q.shape[0], q.shape[2], q.shape[1], k.shape[1]
+        return self._block_masks.get(
+            self._lowered.mask,
+            (batch, heads, seqlen_q, seqlen_k, q.device),
+            aux,
+            lambda: self.block_mask(batch, heads, seqlen_q, seqlen_k, aux=aux, device=q.device),
         )
-        cache = self._block_masks
-        if key not in cache:
-            if len(cache) >= BLOCK_MASK_CACHE_SIZE:
-                cache.pop(next(iter(cache)))
-            cache[key] = self.block_mask(q.shape[0], q.shape[2], q.shape[1], k.shape[1], aux=aux, device=q.device)
-        return cache[key]
+
+
+class BlockMaskCache:
+    """Block masks of one kernel by (shape, device, the values of the scalars and the identity
+    and version of the aux tensors its mask reads: an aux tensor modified in place is a new
+    key), the oldest dropped past BLOCK_MASK_CACHE_SIZE."""
+
+    def __init__(self):
+        self._masks: dict = {}
+
+    def get(self, mask, shape: tuple, aux, build):
+        values = {name: value for name, value in (aux or {}).items() if name in mask.uses}
+        key = (*shape[:-1], str(shape[-1]), tuple(sorted((n, _identity(v)) for n, v in values.items())))
+        if key not in self._masks:
+            if len(self._masks) >= BLOCK_MASK_CACHE_SIZE:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[key] = build()
+        return self._masks[key]
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def clear(self) -> None:
+        self._masks.clear()
 
 
 BLOCK_MASK_CACHE_SIZE = 16
@@ -694,6 +709,9 @@ def variant_arguments(
     index = given.get("block_index")
     if index is not None:  # checked against the plan by check_block_mask; here only named
         sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))
+    index = given.get("bwd_block_index")
+    if index is not None:  # built by the backward's callable for its tiles
+        sizes.update(zip(("mask_B", "mask_H", "N", "M"), index.shape))
     tiles = given.get("doc_tiles")
     if tiles is not None:  # built by the callable from the plan's config.tile_m, like the block mask
         sizes["M"] = tiles.shape[0]

@@ -38,6 +38,10 @@ class Extra:
         "block_count",
         "block_index",
         "block_full",
+        "bwd_block_count",
+        "bwd_block_index",
+        "bwd_block_full",
+        "bwd_block_turn",
         "alibi_slopes",
         "rel_bias",
         "aux",
@@ -63,14 +67,23 @@ class Lowered:
     def for_backward(self) -> Lowered:
         """The backward kernel's extras: it walks keys, not query rows, so a document mask's
         per-row key ranges and ranked query tiles give way to every packed key's query rows
-        (fa4gen.runtime.document_query_ranges)."""
+        (fa4gen.runtime.document_query_ranges), and an expression mask's block mask to its
+        transpose (fa4gen.blockmask.build_backward_block_mask)."""
         extras: list[Extra] = []
         for extra in self.extras:
             if extra.role == "doc_key_ranges":
                 # per packed key: [lo, hi) of the query rows that see it, and how many key tiles
                 # below its tile some query sees (the deterministic backward's turns)
                 extras.append(Extra("doc_query_ranges", "doc_query_ranges", "int32", ("Sk", 3)))
-            elif extra.role != "doc_tiles":
+            elif extra.role == "block_count":
+                # per key tile: the query tiles it walks, lowest first, and per query tile
+                # whether every pair is visible and the key tile's deterministic turn
+                extras.append(Extra("bwd_block_count", "bwd_block_count", "int32", ("mask_B", "mask_H", "N")))
+                extras += [
+                    Extra(f"bwd_block_{name}", f"bwd_block_{name}", "int32", ("mask_B", "mask_H", "N", "M"))
+                    for name in ("index", "full", "turn")
+                ]
+            elif extra.role not in ("doc_tiles", "block_index", "block_full"):
                 extras.append(extra)
         return Lowered(score=self.score, mask=self.mask, extras=tuple(extras), inputs=self.inputs)
 

@@ -289,6 +289,7 @@ AUTOGRAD_CASES = (
     "gpt-oss-sinks",
     "prefix-lm",
     "packed-documents",
+    "streaming-llm",
 )  # backward_specs run through autograd (prefix lengths and cu_seqlens through the backward op too)
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
@@ -332,6 +333,20 @@ def backward_specs() -> dict[str, AttentionSpec]:
         head_dim=64, qhead_per_kvhead=2, window_left=100, window_right=0, mask="document"
     )
     cases["docs-d96-dense"] = AttentionSpec(head_dim=96, mask="document", return_lse=True)
+    # expression masks (block skipping from the backward's block mask): sink keys and a window
+    # beside causal bounds, one read per query head (GQA 2: a KV head walks its group's union),
+    # one read per batch entry from an aux tensor
+    cases["streaming-llm"] = load_spec(SPECS_DIR / "streaming-llm.yaml")
+    cases["expr-per-head-gqa2"] = AttentionSpec(
+        head_dim=64,
+        qhead_per_kvhead=2,
+        mask={"kind": "expression", "expr": "kv_idx + h * 150 <= q_idx + 100 or kv_idx // 64 == 3"},
+    )
+    cases["expr-lengths-d128"] = AttentionSpec(
+        head_dim=128,
+        mask={"kind": "expression", "expr": "kv_idx < lengths[b] * 100 + 1"},
+        aux={"lengths": {"dtype": "int32", "shape": ["B"]}},
+    )
     # deterministic: dQ's sums in key-tile order, over every way the key tiles walk query tiles
     for name in DETERMINISTIC_CASES:
         cases[f"{name}-deterministic"] = cases[name].model_copy(update={"deterministic": True})
@@ -339,7 +354,7 @@ def backward_specs() -> dict[str, AttentionSpec]:
 
 
 # the backward cases that also run deterministic (dense, causal, GQA, windows with the KV heads'
-# query heads split over two CTAs, chunks, prefix-LM, sinks, documents); the first three are also the
+# query heads split over two CTAs, chunks, prefix-LM, sinks, documents, expression masks); the first three are also the
 # specs of benchmarks/backward.py's cells d96, d128 causal and d128 gqa4 causal, whose
 # deterministic cost a run of `--deterministic` measures from the tests' cache
 DETERMINISTIC_CASES = (
@@ -353,4 +368,6 @@ DETERMINISTIC_CASES = (
     "gpt-oss-sinks",
     "packed-documents",
     "docs-window-gqa2",
+    "streaming-llm",
+    "expr-per-head-gqa2",
 )

@@ -28,10 +28,6 @@ def _round_up(value: int, granule: int) -> int:
 
 def backward_problem(spec: AttentionSpec) -> str:
     """Why ``spec`` has no backward kernel on sm_90a ("" when it has one)."""
-    if spec.mask_kind == "expression":
-        return (
-            "mask.kind=expression: the backward supports causal, window, chunked, prefix-LM and document masks so far"
-        )
     lowered = lower(spec)
     if lowered.score is not None:
         try:
@@ -67,6 +63,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
         prefix_lm=spec.mask_kind == "prefix_lm",
         document=spec.mask_kind == "document",
+        expression_mask=lowered.mask is not None,
         deterministic=spec.deterministic,
     )
     config = Sm90BwdConfig(

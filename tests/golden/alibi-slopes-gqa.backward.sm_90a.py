@@ -34,6 +34,8 @@ def score_grad(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
 
 SCORE_GRAD = score_grad
 
+MASK_MOD = None
+
 
 # the planner's Sm90BwdConfig, whole: every compile-time constant the kernels read
 CONFIG = Sm90BwdConfig(
@@ -50,6 +52,7 @@ CONFIG = Sm90BwdConfig(
     chunk=None,
     prefix_lm=False,
     document=False,
+    expression_mask=False,
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
@@ -64,7 +67,7 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
 
 
 @cute.jit

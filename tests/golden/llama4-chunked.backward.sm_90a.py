@@ -22,6 +22,8 @@ from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
 
 SCORE_GRAD = None
 
+MASK_MOD = None
+
 
 # the planner's Sm90BwdConfig, whole: every compile-time constant the kernels read
 CONFIG = Sm90BwdConfig(
@@ -38,6 +40,7 @@ CONFIG = Sm90BwdConfig(
     chunk=8192,
     prefix_lm=False,
     document=False,
+    expression_mask=False,
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
@@ -52,7 +55,7 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
 
 
 @cute.jit

@@ -9,7 +9,8 @@ Main kernel: one CTA per (key tile of 64 keys per consumer warpgroup, KV head, b
 with their rows' LSE and dPsum, into a ring of ``q_stages``); warpgroups 1..2 are consumers,
 each owning 64 keys of the tile and their dK and dV accumulators, which stay in registers over
 every step: the KV head's query heads (so GQA needs no reduction across CTAs: dK and dV are
-written once, deterministically) times the query tiles that see the key tile. A step
+written once, deterministically) times the query tiles that see the key tile (from the mask's
+structure, a table of packed documents' query rows, or an expression mask's backward block mask). A step
 (bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
 registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
 accumulator in global memory (the only cross-CTA sum) that runs on during the next step; a
@@ -49,13 +50,17 @@ ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     """One compiled backward; ``config`` is the planner's Sm90BwdConfig."""
 
-    def __init__(self, config: Sm90BwdConfig, score_grad: Optional[Callable] = None):
+    def __init__(
+        self, config: Sm90BwdConfig, score_grad: Optional[Callable] = None, mask_mod: Optional[Callable] = None
+    ):
         problem = bwd_config_problem(config)
         assert not problem, problem
         assert (score_grad is not None) == config.score_mod, "a score modifier comes with its score_grad"
+        assert (mask_mod is not None) == config.expression_mask, "an expression mask comes with its mask_mod"
         self.cfg = config
-        # (value, d value / d scaled score) of the variant's score modifier, from the emitted module
-        self.score_grad = score_grad
+        # (value, d value / d scaled score) of the variant's score modifier, and the expression
+        # mask (b, h, q_idx, kv_idx, Sq, Sk, args) -> visible, from the emitted module
+        self.score_grad, self.mask_mod = score_grad, mask_mod
         self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_consumers = config.num_consumer_warpgroups
@@ -251,14 +256,16 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         seqlen_q, seqlen_k = tma_q[1].shape[0], tma_k[1].shape[0]
         args = VariantArgs(self.cfg.extra_names, extras)
         m_min, m_max = Int32(0), cute.ceil_div(seqlen_q, self.tile_m)
-        if cutlass.const_expr(self.key_queries.structural):
+        if cutlass.const_expr(self.cfg.expression_mask):  # the block mask lists the query tiles
+            m_max = args.bwd_block_count[self._mask_coords(n_block, kv_head, batch, args)]
+        elif cutlass.const_expr(self.key_queries.structural):
             m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, batch, seqlen_q, seqlen_k, args)
         first_head = kv_head * self.cfg.qhead_per_kvhead + split * heads
         where = (n_block, kv_head, batch, m_min, cutlass.max(m_max - m_min, 0), first_head, heads)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dpsum), smem, pipes, where)
+                self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dpsum), smem, pipes, where, args)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
@@ -266,7 +273,47 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             self.store_dk_dv(f, outputs, head_splits, (n_block, kv_head, batch), seqlen_k)
 
     @cute.jit
-    def produce(self, tmas, smem: BwdSmem, pipes, where):
+    def _mask_coords(self, n_block: Int32, kv_head: Int32, batch: Int32, args):
+        """(batch, head, key tile) of this CTA in the backward block mask, whose batch and head
+        extents are 1 where the mask does not read b or h."""
+        sizes = args.bwd_block_count.shape
+        return cutlass.min(batch, sizes[0] - 1), cutlass.min(kv_head, sizes[1] - 1), n_block
+
+    @cute.jit
+    def query_tile(self, where, j: Int32, args) -> Int32:
+        """The query tile of this CTA's j-th step of a query head."""
+        n_block, kv_head, batch, m_min, _, _, _ = where
+        m_block = m_min + j
+        if cutlass.const_expr(self.cfg.expression_mask):
+            b, h, n = self._mask_coords(n_block, kv_head, batch, args)
+            m_block = args.bwd_block_index[b, h, n, j]
+        return m_block
+
+    @cute.jit
+    def _exact(self, where, j: Int32, args):
+        """Whether the j-th step's tile needs the expression mask evaluated per score (some pair
+        of it hidden); False without an expression mask."""
+        exact = False
+        if cutlass.const_expr(self.cfg.expression_mask):
+            n_block, kv_head, batch, _, _, _, _ = where
+            b, h, n = self._mask_coords(n_block, kv_head, batch, args)
+            exact = args.bwd_block_full[b, h, n, j] == 0
+        return exact
+
+    @cute.jit
+    def dq_turn(self, where, j: Int32, m_block: Int32, sizes) -> Int32:
+        """How many key tiles add into query tile ``m_block``'s dQ before this CTA's (deterministic)."""
+        n_block, kv_head, batch, _, _, _, _ = where
+        seqlen_q, seqlen_k, args = sizes
+        if cutlass.const_expr(self.cfg.expression_mask):
+            b, h, n = self._mask_coords(n_block, kv_head, batch, args)
+            turn = args.bwd_block_turn[b, h, n, j]
+        else:
+            turn = self.key_queries.key_tiles_before(n_block, m_block, batch, seqlen_q, seqlen_k, args)
+        return turn
+
+    @cute.jit
+    def produce(self, tmas, smem: BwdSmem, pipes, where, args):
         """One warp: K and V once, then each step's Q with its rows' LSE and dO with their dPsum."""
         (tma_q, mQ), (tma_do, mdO), (tma_k, mK), (tma_v, mV), (tma_lse, mLSE), (tma_dpsum, mdPsum) = tmas
         pipe_kv, pipe_q, pipe_do = pipes
@@ -280,7 +327,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for step in cutlass.range(heads * count, unroll=1):
             head = first_head + step // count
-            m_block = m_min + step % count
+            m_block = self.query_tile(where, step % count, args)
             tQs, tQg = self._tma_parts(tma_q, mQ[None, None, head, batch], smem.q, (self.tile_m, self.dqk))
             tdOs, tdOg = self._tma_parts(tma_do, mdO[None, None, head, batch], smem.do, (self.tile_m, self.dv))
             tLs, tLg = self._tma_parts(tma_lse, mLSE[None, head, batch], smem.lse, (self.tile_m,))
@@ -316,27 +363,29 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         steps = heads * count
+        args = sizes[2]
         for step in cutlass.range(steps, unroll=1):
             head = first_head + step // count
-            m_block = m_min + step % count
-            self.scores_and_grads(f, smem, pipe_q, pipe_do, state, (n_block, head, batch, m_block), sizes)
+            m_block = self.query_tile(where, step % count, args)
+            at = (n_block, head, batch, m_block, self._exact(where, step % count, args))
+            self.scores_and_grads(f, smem, pipe_q, pipe_do, state, at, sizes)
             acc_dq = self.products(f, pipe_do, state)
             order = None
             if cutlass.const_expr(self.cfg.deterministic):
-                order = (semaphores, n_block, self._step_tile(where, step - 1), sizes)
+                order = (semaphores, self._step_tile(where, step - 1, args), (where, step % count), sizes)
             self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages, order)
             self.dk_done(pipe_q, state)
             state.advance()
         last = None
         if cutlass.const_expr(self.cfg.deterministic):
-            last = (*self._step_tile(where, steps - 1), batch)
+            last = (*self._step_tile(where, steps - 1, args), batch)
         self.dq_stores_done(f, semaphores, last)
 
     @cute.jit
-    def _step_tile(self, where, step: Int32):
+    def _step_tile(self, where, step: Int32, args):
         """(query tile, head) of ``step`` (query tile -1 before the first)."""
-        _, _, _, m_min, count, first_head, _ = where
+        _, _, _, _, count, first_head, _ = where
         m_block, head = Int32(-1), first_head
         if step >= 0:
-            m_block, head = m_min + step % count, first_head + step // count
+            m_block, head = self.query_tile(where, step % count, args), first_head + step // count
         return m_block, head

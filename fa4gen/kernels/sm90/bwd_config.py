@@ -45,6 +45,9 @@ class Sm90BwdConfig(BaseModel):
     # packed documents: every key's query rows come from a table (runtime.document_query_ranges),
     # causal / window bounds aligned to each document's end
     document: bool
+    # an expression mask: the query tiles each key tile walks come from the backward's block mask
+    # (fa4gen.blockmask.build_backward_block_mask), mask_mod from the emitted module
+    expression_mask: bool
     # the key tiles add into dQ in a fixed order (a semaphore per query tile and warpgroup's
     # share): gradients bit-identical from run to run
     deterministic: bool

@@ -5,8 +5,9 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
    the A operand of dV's product: FA3/FA4's SdP_swapAB);
 2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum); with a
    soft cap or a score modifier, P^T from the modified score and dS^T times its derivative
-   (the modifier's ``score_grad``, derived from its expression by fa4gen.expr_grad); the rows'
-   LSE and dPsum come from shared memory, loaded with Q and dO;
+   (the modifier's ``score_grad``, derived from its expression by fa4gen.expr_grad); an
+   expression mask zeroes both where ``mask_mod`` hides a pair (in partly visible tiles only);
+   the rows' LSE and dPsum come from shared memory, loaded with Q and dO;
 3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
@@ -93,7 +94,7 @@ class BwdFragments:
 
 class Sm90BwdStep:
     """Needs cfg, dtype, dqk, dv, tile_m, tile_n, num_consumers, dq_stages, key_queries,
-    _dq_box()."""
+    mask_mod, score_grad, _dq_box() and dq_turn()."""
 
     def _mma(self, a_major, b_major, atoms, tiler, accumulate: bool, a_registers: bool = False) -> cute.TiledMma:
         source = warpgroup.OperandSource.RMEM if a_registers else warpgroup.OperandSource.SMEM
@@ -176,7 +177,8 @@ class Sm90BwdStep:
     @cute.jit
     def scores_and_grads(self, f: BwdFragments, smem: BwdSmem, pipe_q, pipe_do, state, at, sizes):
         """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into
-        sdS); ``at``: (key tile, query head, batch, query tile)."""
+        sdS); ``at``: (key tile, query head, batch, query tile, whether the expression mask hides
+        some pair of the tile)."""
         acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         pipe_q.consumer_wait(state)
@@ -197,6 +199,9 @@ class Sm90BwdStep:
             self.capped_grads(f, smem, state, scores, grads, at, sizes)
         else:
             self.plain_grads(f, smem, state, scores, grads, at, sizes)
+        if cutlass.const_expr(self.mask_mod is not None):
+            if at[4]:  # (tiles whose every pair is visible skip it: the block mask's full flag)
+                self.mask_grads(f, scores, grads, at, sizes)
         store_as_operand_a(acc_s, f.p, pinned=False)
         store_as_operand_a(acc_dp, f.ds, pinned=False)
         # dS^T to shared memory for dQ: both warpgroups' dQ MMAs of the step before were done
@@ -207,7 +212,7 @@ class Sm90BwdStep:
     @cute.jit
     def visible_of_row(self, coords, r: int, at, sizes):
         """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a vector."""
-        n_block, _, batch, m_block = at
+        n_block, _, batch, m_block, _ = at
         seqlen_q, seqlen_k, args = sizes
         offsets = column_offsets(coords, coords[0, None].shape)
         first_col = m_block * self.tile_m + coords[0, 0][1]
@@ -260,7 +265,7 @@ class Sm90BwdStep:
         the scaled score (dS^T times it), from the emitted ``score_grad``; the rows' LSE and
         dPsum read from shared memory where used (held in registers beside the modifier's own
         values they spilled)."""
-        n_block, head, batch, m_block = at
+        n_block, head, batch, m_block, _ = at
         seqlen_q, seqlen_k, args = sizes
         coords = rows_cols_view(f.coords_s)
         warpgroup.wait_group(0)
@@ -279,6 +284,23 @@ class Sm90BwdStep:
             visible = self.visible_of_row(coords, r, at, sizes)
             scores[r, None].store(cute.where(visible, scores[r, None].load(), Float32(0.0)))
             grads[r, None].store(cute.where(visible, grads[r, None].load(), Float32(0.0)))
+
+    @cute.jit
+    def mask_grads(self, f: BwdFragments, scores, grads, at, sizes):
+        """The expression mask: P^T and dS^T zero where mask_mod(b, h, q_idx, kv_idx, Sq, Sk,
+        args) is False (a select, so whatever the hidden scores gave is dropped). Rows and keys
+        past Sq / Sk are evaluated at the last real one (their values are dropped anyway; the
+        mask's aux lookups stay in range)."""
+        n_block, head, batch, m_block, _ = at
+        seqlen_q, seqlen_k, args = sizes
+        coords = rows_cols_view(f.coords_s)
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            key = cutlass.min(n_block * self.tile_n + coords[r, 0][0], seqlen_k - 1)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                row = cutlass.min(m_block * self.tile_m + coords[0, c][1], seqlen_q - 1)
+                visible = self.mask_mod(batch, head, row, key, seqlen_q, seqlen_k, args)
+                scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], Float32(0.0)))
+                grads[r, c] = Float32(cutlass.select_(visible, grads[r, c], Float32(0.0)))
 
     @cute.jit
     def products(self, f: BwdFragments, pipe_do, state):
@@ -312,7 +334,8 @@ class Sm90BwdStep:
     def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32, order):
         """This warpgroup's dQ into staging buffer ``stage`` (free since ``products``) and its TMA
         reduce-add into the accumulator, left running; deterministic, in its key tile's turn
-        (``order``: the semaphores, this CTA's key tile, the step's tile before, the sizes)."""
+        (``order``: the semaphores, the step's (query tile, head) before, this step's (CTA
+        walk, index in it), the sizes)."""
         head, batch, m_block = at
         # the warp that issues the warpgroup's reduce-adds (a warp-uniform branch: a
         # thread-dependent one around the TMA serialized every wgmma of the kernel)
@@ -336,11 +359,10 @@ class Sm90BwdStep:
             )
             row_tile = m_block * (self.tile_m // WGMMA_M) + (f.warpgroup if cutlass.const_expr(by_rows) else 0)
             if cutlass.const_expr(self.cfg.deterministic):
-                semaphores, n_block, before, sizes = order
-                seqlen_q, seqlen_k, args = sizes
+                semaphores, before, (walk, j), sizes = order
                 if before[0] >= 0:  # the step before: its sum landed, the next key tile may add
                     self._pass_dq_turn(semaphores, (before[1], batch, before[0]), f.warpgroup)
-                turn = self.key_queries.key_tiles_before(n_block, m_block, batch, seqlen_q, seqlen_k, args)
+                turn = self.dq_turn(walk, j, m_block, sizes)
                 self._await_dq_turn(semaphores, (head, batch, m_block), f.warpgroup, turn)
             cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
             cute.arch.cp_async_bulk_commit_group()
