@@ -30,7 +30,7 @@ from fa4gen.runtime import (
     variant_arguments,
 )
 from fa4gen.spec import AttentionSpec
-from fa4gen.variants import lower
+from fa4gen.variants import grad_name, lower
 
 GRADS = ("dq", "dk", "dv")
 PACKED = ("q", "k", "v", "out", "dout", *GRADS)
@@ -39,8 +39,10 @@ VARIANT_TENSORS = ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_se
 
 
 class BackwardKernel:
-    """A compiled backward: ``dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse=None)`` (and the
-    sink logits' gradient fourth, for a spec with sinks).
+    """A compiled backward: ``dq, dk, dv = kernel(q, k, v, out, dout, lse, dlse=None)``, then the
+    sink logits' gradient for a spec with sinks, then the fp32 gradients of the run-time tensors
+    the spec trains (``requires_grad``: ALiBi slopes, the relative-bias table, aux tensors in
+    name order).
 
     q, k, v, out are the forward's (see ``AttentionKernel``), dout the gradient of out (any
     strides: it is made contiguous where it has to be), lse the forward's (B, Hq, Sq) float32
@@ -69,7 +71,8 @@ class BackwardKernel:
         packed = [_packed(name, t) for name, t in zip(PACKED, (q, k, v, out, dout, dq, dk, dv))]
         rows = [t.unsqueeze(0) if hasattr(t, "unsqueeze") else t for t in (lse, dlse)]
         grads = self._run(*packed[:5], *rows, tuple(packed[5:]), variant)
-        return (*(g.squeeze(0) for g in grads[:3]), *grads[3:])
+        given = (dq, dk, dv)  # (written in place: the caller's own tensors come back)
+        return (*(g.squeeze(0) if t is None else t for g, t in zip(grads[:3], given)), *grads[3:])
 
     def _run(self, q, k, v, out, dout, lse, dlse, outputs, variant):
         import torch
@@ -101,10 +104,13 @@ class BackwardKernel:
             raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(variant))}")
         if self.spec.is_varlen and tables_can_build(given["cu_seqlens_q"], given["cu_seqlens_k"]):
             given["doc_query_ranges"] = self._document_table(given["cu_seqlens_q"], given["cu_seqlens_k"], q, k)
+        trained = self._trained_sums(given, aux, q.device)
+        given.update(trained)
         extras = self._extras(q, k, given, aux)
+        trained = tuple(trained.values())
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
-            return dq, dk.zero_(), dv.zero_(), *empty
+            return dq, dk.zero_(), dv.zero_(), *empty, *trained
         shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
         work = {
             name: torch.empty(shape, dtype=torch.int32 if name == "dq_order" else torch.float32, device=q.device)
@@ -119,8 +125,21 @@ class BackwardKernel:
             dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])
             dv.copy_(sums[1][:, : k.shape[1], :, : self.spec.dv])
         if self.spec.sinks:
-            return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"])
-        return dq, dk, dv
+            return dq, dk, dv, sink_gradient(given["sinks"], work["lse_log2"], work["dpsum"]), *trained
+        return dq, dk, dv, *trained
+
+    def _trained_sums(self, given, aux, device) -> dict:
+        """Zeroed fp32 sums for the gradients of the run-time tensors the spec trains, by kernel
+        argument name, shaped like the tensors given (a missing or malformed one gets none here:
+        variant_arguments names it)."""
+        import torch
+
+        sums = {}
+        for extra in self._lowered.trainable:
+            source = (aux or {}).get(extra.name) if extra.role == "aux" else given.get(extra.role)
+            if isinstance(source, torch.Tensor):
+                sums[grad_name(extra.name)] = torch.zeros(source.shape, dtype=torch.float32, device=device)
+        return sums
 
     def _extras(self, q, k, given, aux) -> list:
         """The kernel's extras (variant_arguments); an expression mask's backward block mask,

@@ -22,6 +22,7 @@ import torch
 from fa4gen.handles import live_object
 from fa4gen.handles import registered as _registered
 from fa4gen.spec import AttentionSpec
+from fa4gen.variants import lower
 
 TENSOR_ARGUMENTS = ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k")
 
@@ -123,9 +124,10 @@ def backward(
     aux_tensors: list[torch.Tensor],
     scalar_names: str,
     scalar_values: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks) of the forward ``kernel`` (a handle) ran, with the run-time values it
-    took (fa4gen.backward.BackwardKernel); dsinks is empty without sinks."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, dsinks, trained) of the forward ``kernel`` (a handle) ran, with the run-time
+    values it took (fa4gen.backward.BackwardKernel); dsinks is empty without sinks, trained holds
+    the fp32 gradients of the tensors the spec trains (``trained_sources``' order)."""
     registered = _registered(kernel)
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
@@ -133,13 +135,25 @@ def backward(
     tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k)
     variant = _variant(registered.spec, tensors, (None, None), ([], []), named)
     grads = registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
-    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
+    dq, dk, dv, *rest = grads
+    dsinks = rest.pop(0) if registered.spec.sinks else q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsinks, list(rest)
 
 
 @backward.register_fake
-def _(q, k, v, out, dout, lse, dlse, kernel, sinks, *args):
+def _(q, k, v, out, dout, lse, dlse, kernel, sinks, alibi_slopes, rel_bias, *args):
+    spec = _registered(kernel).spec
     dsinks = q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    aux_names, aux_tensors = args[3], args[4]
+    sources = trained_sources(spec, alibi_slopes, rel_bias, dict(zip(_names(aux_names), aux_tensors)))
+    trained = [t.new_empty(t.shape, dtype=torch.float32) for t in sources]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks, trained
+
+
+def trained_sources(spec: AttentionSpec, alibi_slopes, rel_bias, aux: dict) -> list[torch.Tensor]:
+    """The run-time tensors the spec trains (``requires_grad``), in the backward's order."""
+    by_role = {"alibi_slopes": alibi_slopes, "rel_bias": rel_bias}
+    return [aux[e.name] if e.role == "aux" else by_role[e.role] for e in lower(spec).trainable]
 
 
 # the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
@@ -147,6 +161,7 @@ def _(q, k, v, out, dout, lse, dlse, kernel, sinks, *args):
 # and values (fa4gen::forward's order)
 _BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 14, 15, 16, 17)
 SINKS_INPUT = 4
+ALIBI_INPUT, REL_BIAS_INPUT, AUX_NAMES_INPUT, AUX_TENSORS_INPUT = 5, 6, 14, 15
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
@@ -156,6 +171,7 @@ def _save_for_backward(ctx, inputs, output) -> None:
     # the gradients mirror the inputs: a list of Nones for each list argument, else None
     ctx.lists = [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
     ctx.arguments = [inputs[i] for i in _BACKWARD_ARGUMENTS]
+    ctx.aux_names = inputs[AUX_NAMES_INPUT]
 
 
 def _forward_gradients(ctx, dout, dlse):
@@ -163,10 +179,16 @@ def _forward_gradients(ctx, dout, dlse):
     spec = _registered(ctx.arguments[0]).spec
     if not spec.return_lse:  # (fa4gen.compile's kernels run the spec with its LSE under autograd)
         raise RuntimeError(f"the forward of {spec.summary()} ran without its LSE: it has no backward")
-    dq, dk, dv, dsinks = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, *ctx.arguments)
+    dq, dk, dv, dsinks, trained = torch.ops.fa4gen.backward(q, k, v, out, dout, lse, dlse, *ctx.arguments)
     rest = [None if n is None else [None] * n for n in ctx.lists[3:]]
     if ctx.arguments[1] is not None:  # the sinks' gradient, in their dtype
         rest[SINKS_INPUT - 3] = dsinks.to(ctx.arguments[1].dtype)
+    aux_names = _names(ctx.aux_names)
+    for extra, grad in zip(lower(spec).trainable, trained, strict=True):
+        if extra.role == "aux":
+            rest[AUX_TENSORS_INPUT - 3][aux_names.index(extra.name)] = grad
+        else:
+            rest[(ALIBI_INPUT if extra.role == "alibi_slopes" else REL_BIAS_INPUT) - 3] = grad
     return (dq, dk, dv, *rest)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keyword
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -106,6 +107,41 @@ def _environment():
     return env
 
 
+@dataclass(frozen=True)
+class AuxReadCode:
+    """One read of a trainable tensor in the score modifier, rendered for the backward kernel."""
+
+    grad: str  # the kernel argument holding the tensor's gradient (variants.grad_name)
+    text: str  # the read as written, for the docstring
+    indices: tuple[str, ...]
+    derivative: str  # d score_mod / d (the element read)
+    uniform: bool  # the element depends only on b, h, sizes and scalars: one per step
+
+
+# what stays the same over a step of the backward (one query head of one batch entry)
+STEP_UNIFORM = frozenset({"b", "h", "seqlen_q", "seqlen_k"})
+
+
+def _aux_reads(spec: AttentionSpec, lowered, names: dict[str, str]) -> list[AuxReadCode]:
+    from fa4gen.expr_grad import aux_gradient
+    from fa4gen.variants import grad_name
+
+    uniform = STEP_UNIFORM | set(spec.scalars)
+    reads = []
+    for extra in lowered.trainable:
+        for read in aux_gradient(lowered.score, extra.name).reads:
+            reads.append(
+                AuxReadCode(
+                    grad=grad_name(extra.name),
+                    text=f"{extra.name}[{', '.join(index.text for index in read.indices)}]",
+                    indices=tuple(render_cute(index, names) for index in read.indices),
+                    derivative=render_cute(read.derivative, names),
+                    uniform=all(index.uses <= uniform for index in read.indices),
+                )
+            )
+    return reads
+
+
 def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") -> EmittedKernel:
     kernel_module, config_module, template_name = KERNEL_TEMPLATES[plan.kernel]
     template = _environment().get_template(template_name)
@@ -113,10 +149,12 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
     # aux tensors and scalars live on the kernel's run-time argument holder
     names = {extra.name: f"args.{extra.name}" for extra in lowered.extras}
     score_grad_code = None  # the backward's d(score_mod)/d(score), derived from the parsed tree
+    aux_reads: list[AuxReadCode] = []  # and per read of a trainable tensor, its derivative
     if plan.is_backward and lowered.score is not None:
         from fa4gen.expr_grad import derivative
 
         score_grad_code = render_cute(derivative(lowered.score, "score"), names)
+        aux_reads = _aux_reads(spec, lowered, names)
     source = template.render(
         version=__version__,
         spec=spec,
@@ -133,6 +171,7 @@ def emit(spec: AttentionSpec, plan: Plan, module_name: str = "fa4gen_kernel") ->
         mask_code=None if lowered.mask is None else render_cute(lowered.mask, names),
         mask_text=None if lowered.mask is None else lowered.mask.text,
         extras=lowered.extras,
+        aux_reads=aux_reads,
     )
     if not source.isascii():  # every user-derived part is a validated token or escaped text
         raise ValueError("emitted source is not ASCII: a spec value reached the template unescaped")

@@ -181,7 +181,7 @@ class AttentionKernel:
         While torch.compile traces (or with fake / meta tensors) the call is the custom op
         ``torch.ops.fa4gen.forward`` (fa4gen.ops), which Dynamo and CUDA graphs treat as one
         opaque kernel; eager calls launch directly."""
-        if _records_grad(q, k, v, variant.get("sinks")):
+        if _records_grad(q, k, v, *_trainable_inputs(variant)):
             return self._with_grad(q, k, v, out, lse, variant)
         if _traced(q):
             from fa4gen.custom_op import call
@@ -199,16 +199,22 @@ class AttentionKernel:
         given = [name for name, value in (("out", out), ("lse", lse)) if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)}=: output buffers are not supported while autograd records the call")
-        trained = [
-            f"{name}=" for name, value in variant.items() if name != "sinks" and getattr(value, "requires_grad", False)
+        trains = {"sinks", *(e.name for e in self._lowered.trainable)}
+        untrained = [
+            f"{name}="
+            for name, value in variant.items()
+            if name not in trains and getattr(value, "requires_grad", False)
         ]
-        trained += [
+        untrained += [
             f"aux[{name!r}]"
             for name, value in (variant.get("aux") or {}).items()
-            if getattr(value, "requires_grad", False)
+            if name not in trains and getattr(value, "requires_grad", False)
         ]
-        if trained:
-            raise ValueError(f"{', '.join(trained)} requires grad: gradients of run-time tensors are not supported yet")
+        if untrained:
+            raise ValueError(
+                f"{', '.join(untrained)} requires grad, but the spec does not train it: declare requires_grad: true "
+                "(an aux tensor's, or score_mod's for ALiBi slopes and relative-bias tables)"
+            )
         if self.training is None:
             raise RuntimeError(f"{self!r} was not made by fa4gen.compile, which gives it its backward")
         return call_with_grad(self, q, k, v, variant)
@@ -352,6 +358,12 @@ def _traced(q) -> bool:
     if torch.compiler.is_compiling():
         return True
     return isinstance(q, torch.Tensor) and (type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta)
+
+
+def _trainable_inputs(variant: dict) -> list:
+    """The call's run-time tensors autograd may track: sink logits, ALiBi slopes, bias tables, aux."""
+    aux = variant.get("aux") or {}
+    return [variant.get("sinks"), variant.get("alibi_slopes"), variant.get("rel_bias"), *aux.values()]
 
 
 def _records_grad(*inputs) -> bool:
@@ -688,7 +700,7 @@ def variant_arguments(
     the call inputs they derive from."""
     lowered = lowered or lower(spec)
     extras = lowered.extras
-    wanted = {e.role for e in (*lowered.inputs, *extras)}
+    wanted = {e.name if e.role == "aux_grad" else e.role for e in (*lowered.inputs, *extras)}
     for name, value in given.items():
         if value is not None and name not in wanted:
             raise ValueError(f"{name}= was given, but the spec ({spec.summary()}) does not use it")
@@ -725,6 +737,8 @@ def variant_arguments(
             values.append(_check_scalar(extra, aux[extra.name]))
             continue
         value = aux.get(extra.name) if extra.role == "aux" else given.get(extra.role)
+        if extra.role == "aux_grad":  # (the backward's own sums, by argument name)
+            value = given.get(extra.name)
         if value is None and extra.role == "alibi_slopes" and spec.score_mod.slopes == "standard":
             value = _standard_slopes(q.shape[2], str(q.device))
         if value is None:

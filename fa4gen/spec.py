@@ -134,6 +134,14 @@ class AlibiMod(_Part):
 
     kind: Literal["alibi"]
     slopes: Literal["standard", "tensor"] = "standard"
+    # the slopes tensor trains: the backward gives its gradient (slopes: tensor only)
+    requires_grad: bool = False
+
+    @model_validator(mode="after")
+    def _trainable_tensor(self) -> AlibiMod:
+        if self.requires_grad and self.slopes != "tensor":
+            raise ValueError("score_mod.requires_grad: only slopes: tensor can train (standard slopes are constants)")
+        return self
 
 
 class RelativeBiasMod(_Part):
@@ -142,6 +150,7 @@ class RelativeBiasMod(_Part):
 
     kind: Literal["relative_bias"]
     max_distance: int = Field(..., ge=1, le=MAX_RELATIVE_DISTANCE)
+    requires_grad: bool = False  # the table trains: the backward gives its gradient
 
 
 class ExpressionMod(_Part):
@@ -158,6 +167,8 @@ class AuxTensorSpec(_Part):
 
     dtype: Literal["float32", "int32"]
     shape: tuple[int | Literal["B", "Hq", "Hkv", "Sq", "Sk"], ...] = Field(..., min_length=1, max_length=MAX_AUX_DIMS)
+    # the tensor trains: the backward gives its gradient (float32 tensors the score_mod reads)
+    requires_grad: bool = False
 
     @field_validator("shape")
     @classmethod
@@ -386,6 +397,9 @@ class AttentionSpec(BaseModel):
         both = set(self.aux) & set(self.scalars)
         if both:
             raise ValueError(f"{', '.join(sorted(both))} declared both as aux tensor and as scalar")
+        for name, aux in self.aux.items():
+            if aux.requires_grad and aux.dtype != "float32":
+                raise ValueError(f"aux.{name}.requires_grad: an {aux.dtype} tensor has no gradient (float32 only)")
         return self
 
     @model_validator(mode="wrap")
@@ -397,6 +411,10 @@ class AttentionSpec(BaseModel):
 
         spec = handler(data)
         lowered = lower(spec)
+        read = lowered.score.uses if lowered.score is not None else frozenset()
+        for name, aux in spec.aux.items():
+            if aux.requires_grad and name not in read:
+                raise ValueError(f"aux.{name}.requires_grad: only tensors the score_mod reads have a gradient")
         update = {}
         if lowered.mask is not None and spec.mask.expr != lowered.mask.text:
             update["mask"] = {"kind": "expression", "expr": lowered.mask.text}

@@ -159,7 +159,8 @@ def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = Tr
     """(dq, dk, dv) of the reference by torch.autograd, in float32 (``upcast``) or in the inputs'
     dtype, for the loss sum(out * dout) (+ sum(lse * dlse) where given and the LSE is finite);
     ``args``: the variant's run-time values, as for ``reference``. With sinks, the sink logits'
-    gradient (float32) comes fourth."""
+    gradient (float32) comes fourth; then those of the run-time tensors the spec trains
+    (``requires_grad``), in the backward kernel's order."""
     import torch
 
     dtype = torch.float32 if upcast else q.dtype
@@ -169,6 +170,12 @@ def reference_gradients(spec: AttentionSpec, q, k, v, dout, *, upcast: bool = Tr
         if spec.sinks:
             args["sinks"] = args["sinks"].detach().float().requires_grad_()
             leaves.append(args["sinks"])
+        args["aux"] = dict(args.get("aux") or {})
+        for extra in lower(spec).trainable:
+            holder = args["aux"] if extra.role == "aux" else args
+            key = extra.name if extra.role == "aux" else extra.role
+            holder[key] = holder[key].detach().float().requires_grad_()
+            leaves.append(holder[key])
         out, lse = reference(spec, *leaves[:3], upcast=upcast, args=args)
         loss = (out.float() * dout.float()).sum()
         if dlse is not None:
@@ -192,7 +199,7 @@ def assert_gradients_close(
     # the floor scales with the largest gradient: a gradient that cancels to ~0 (dK with one key)
     # is judged against the size of the terms it cancels, not against itself
     scale = max((ref.abs().max().item() for ref in exact if ref.numel()), default=0.0)
-    names = ("dq", "dk", "dv", "dsinks")[: len(exact)]
+    names = ("dq", "dk", "dv", *(("dsinks",) if spec.sinks else ()), *(f"d{e.name}" for e in lower(spec).trainable))
     for name, got, ref, own in zip(names, grads, exact, low, strict=True):
         assert not torch.isnan(got).any(), f"{name} has NaN (poisoned entries were not overwritten?)"
         err = (got.float() - ref).abs().max().item() if ref.numel() else 0.0

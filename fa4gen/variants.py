@@ -46,9 +46,11 @@ class Extra:
         "rel_bias",
         "aux",
         "scalar",
+        "aux_grad",
     ]
     dtype: Literal["float32", "int32"]
     shape: tuple[Dim, ...] = ()  # () for a scalar
+    trainable: bool = False  # the spec declares requires_grad: the backward gives its gradient
 
     @property
     def is_tensor(self) -> bool:
@@ -85,7 +87,20 @@ class Lowered:
                 ]
             elif extra.role not in ("doc_tiles", "block_index", "block_full"):
                 extras.append(extra)
+        # the trainable tensors' fp32 gradients, zeroed by the callable, summed into by the kernel
+        # (names no declared one can take: declared names never start with "_")
+        extras += [Extra(grad_name(e.name), "aux_grad", "float32", e.shape) for e in self.trainable]
         return Lowered(score=self.score, mask=self.mask, extras=tuple(extras), inputs=self.inputs)
+
+    @property
+    def trainable(self) -> tuple[Extra, ...]:
+        """The run-time tensors that receive gradients, in the kernel's order."""
+        return tuple(e for e in self.extras if e.trainable)
+
+
+def grad_name(name: str) -> str:
+    """The backward's argument holding the gradient of run-time tensor ``name``."""
+    return f"_grad_{name}"
 
 
 _KIND = {"float32": "float", "int32": "int"}
@@ -106,10 +121,11 @@ def _builtin_score(spec: AttentionSpec) -> tuple[str | None, list[Extra]]:
     if mod is None:
         return None, []
     if mod.kind == "alibi":
-        return alibi_expression(), [Extra("alibi_slopes", "alibi_slopes", "float32", ("Hq",))]
+        return alibi_expression(), [Extra("alibi_slopes", "alibi_slopes", "float32", ("Hq",), mod.requires_grad)]
     if mod.kind == "relative_bias":
         width = 2 * mod.max_distance + 1
-        return relative_bias_expression(mod.max_distance), [Extra("rel_bias", "rel_bias", "float32", ("Hq", width))]
+        extra = Extra("rel_bias", "rel_bias", "float32", ("Hq", width), mod.requires_grad)
+        return relative_bias_expression(mod.max_distance), [extra]
     return mod.expr, []
 
 
@@ -144,7 +160,9 @@ def lower(spec: AttentionSpec) -> Lowered:
     score_text, builtin = _builtin_score(spec)
     extras += builtin
     # sorted by name: the canonical spec (and so the cache key) does not keep declaration order
-    extras += [Extra(name, "aux", aux.dtype, tuple(aux.shape)) for name, aux in sorted(spec.aux.items())]
+    extras += [
+        Extra(name, "aux", aux.dtype, tuple(aux.shape), aux.requires_grad) for name, aux in sorted(spec.aux.items())
+    ]
     extras += [Extra(name, "scalar", dtype) for name, dtype in sorted(spec.scalars.items())]
     tensors = {
         e.name: AuxTensor(_KIND[e.dtype], len(e.shape), tuple(d if isinstance(d, int) else None for d in e.shape))

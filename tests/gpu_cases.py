@@ -290,6 +290,9 @@ AUTOGRAD_CASES = (
     "prefix-lm",
     "packed-documents",
     "streaming-llm",
+    "expression-score",
+    "t5-relative-bias",
+    "d128-alibi-train-gqa2",
 )  # backward_specs run through autograd (prefix lengths and cu_seqlens through the backward op too)
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
@@ -322,7 +325,15 @@ def backward_specs() -> dict[str, AttentionSpec]:
         window_left=300,
         score_mod={"kind": "expression", "expr": "max(score, 0.2 * score) + 0.01 * abs(q_idx - kv_idx)"},
     )
-    cases["expression-score"] = load_spec(SPECS_DIR / "expression-score.yaml")
+    cases["expression-score"] = load_spec(SPECS_DIR / "expression-score.yaml")  # its temperatures train
+    # trainable tensors: T5's bias table (a scatter per score), ALiBi slopes (one sum per step)
+    cases["t5-relative-bias"] = load_spec(SPECS_DIR / "t5-relative-bias.yaml")
+    cases["d128-alibi-train-gqa2"] = AttentionSpec(
+        head_dim=128,
+        qhead_per_kvhead=2,
+        causal=True,
+        score_mod={"kind": "alibi", "slopes": "tensor", "requires_grad": True},
+    )
     cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
     cases["d128-chunked256"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256})
     cases["prefix-lm"] = load_spec(SPECS_DIR / "prefix-lm.yaml")  # d128, LSE, prefix lengths per batch entry

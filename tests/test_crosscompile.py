@@ -37,6 +37,9 @@ def _nvdisasm() -> str | None:
 FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
 DETERMINISTIC_SPECS = ("llama3-8b", "llama4-chunked", "packed-documents")  # backwards also built deterministic
 SOFTCAP_BACKWARD_SPILLS = 32  # spill instructions a soft-capped backward may have (22-28 measured)
+# a d128 backward that trains tensors keeps their shares beside S^T and dP^T (58-63 measured:
+# expression-score with its soft cap, ALiBi GQA 4; T5's d64 none)
+TRAINING_TENSORS_SPILLS = 72
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +215,8 @@ def test_sass_has_hgmma_and_no_spills(every_artifact):
         # a soft-capped backward keeps tanh's values beside S^T and dP^T and spills a few
         # registers (decision bwd-tiles): bounded, so that more fails
         allowed = SOFTCAP_BACKWARD_SPILLS if result.plan.is_backward and result.plan.config.softcap else 0
+        if result.plan.is_backward and result.plan.config.aux_grads:
+            allowed = TRAINING_TENSORS_SPILLS if result.plan.config.head_dim_padded > 64 else 0
         assert len(spills) <= allowed, f"{name}: {len(spills)} local-memory (spill) instructions"
         # ptxas serializes every wgmma of a kernel it cannot prove safe to overlap (C7519,
         # C7520: a WARPGROUP.ARRIVE and a wait at each HGMMA; 0.57x at d128 on the H200)

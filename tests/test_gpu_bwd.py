@@ -14,6 +14,7 @@ from gpu_cases import AUTOGRAD_CASES, BACKWARD_SHAPES, DETERMINISTIC_CASES, back
 import fa4gen
 from fa4gen.api import training_spec
 from fa4gen.testing import assert_gradients_close
+from fa4gen.variants import lower
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +64,11 @@ def test_autograd(name):
     if spec.sinks:  # the sink logits train too
         leaves.append(args["sinks"].clone().requires_grad_())
         args = {**args, "sinks": leaves[3]}
+    args = {**args, "aux": dict(args.get("aux") or {})}
+    for extra in lower(spec).trainable:  # and the tensors the spec trains
+        holder, key = (args["aux"], extra.name) if extra.role == "aux" else (args, extra.role)
+        holder[key] = holder[key].clone().requires_grad_()
+        leaves.append(holder[key])
     result = fa4gen.compile(spec)(*leaves[:3], **args)
     out = result[0] if spec.return_lse else result
     loss = (out.float() * dout.float().transpose(1, 2).contiguous().transpose(1, 2)).sum()

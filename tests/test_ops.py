@@ -8,6 +8,8 @@ shapes (what torch.compile sees on the GPU). The kernels themselves run in tests
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -278,7 +280,16 @@ class ReferenceBackward:
         self.spec, self.calls = spec, 0
 
     def __call__(self, q, k, v, out, dout, lse, dlse=None, **variant):
+        from fa4gen.testing import reference_gradients
+        from fa4gen.variants import lower
+
         self.calls += 1
+        if lower(self.spec).trainable:
+            # autograd of the reference gives the tensors' gradients too; on a thread of its own,
+            # since the op's implementation runs with autograd's dispatch keys excluded (per thread)
+            with ThreadPoolExecutor(1) as pool:
+                grads = pool.submit(reference_gradients, self.spec, q, k, v, dout, dlse=dlse, args=variant).result()
+            return tuple(g.to(q.dtype) if i < 3 else g for i, g in enumerate(grads))
         grads = closed_form_gradients(self.spec, q, k, v, dout, dlse, variant.get("sinks"))
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v, variant.get("sinks")), strict=False))
 
@@ -383,12 +394,19 @@ def test_training_through_torch_compile(reference_training, spec):
 def test_the_backward_op_is_registered_with_its_fake():
     schema = str(torch.ops.fa4gen.backward.default._schema)
     assert schema.startswith("fa4gen::backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse")
-    q, k, v = _inputs(1, 5, 7, fa4gen.AttentionSpec(head_dim=16), device="meta")
-    lse = q.new_empty(1, 2, 5).float()
-    dq, dk, dv, dsinks = torch.ops.fa4gen.backward(
-        q, k, v, q, q, lse, None, "no-such-kernel", None, None, None, None, None, None, "", [], "", []
+    from fa4gen.handles import register
+
+    spec = fa4gen.AttentionSpec(
+        head_dim=16, score_mod={"kind": "relative_bias", "max_distance": 3, "requires_grad": True}
     )
-    assert dsinks.shape == (0,)
+    handle = register("test-backward-fake", spec, lambda: None)
+    q, k, v = _inputs(1, 5, 7, spec, device="meta")
+    lse = q.new_empty(1, 2, 5).float()
+    table = torch.empty(2, 7, device="meta")
+    dq, dk, dv, dsinks, trained = torch.ops.fa4gen.backward(
+        q, k, v, q, q, lse, None, handle, None, None, table, None, None, None, "", [], "", []
+    )
+    assert dsinks.shape == (0,) and [t.shape for t in trained] == [table.shape]  # the table's gradient
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
@@ -401,3 +419,63 @@ def test_the_backward_op_takes_the_forward_arguments_it_names():
     forward = [a.name for a in torch.ops.fa4gen.forward.default._schema.arguments]
     backward = [a.name for a in torch.ops.fa4gen.backward.default._schema.arguments]
     assert [forward[i] for i in _BACKWARD_ARGUMENTS] == backward[7:]
+
+
+TRAINED = fa4gen.AttentionSpec(
+    head_dim=32,
+    qhead_per_kvhead=2,
+    causal=True,
+    score_mod={"kind": "expression", "expr": "score * temperature[h] + table[h, max(min(q_idx - kv_idx, 7), 0)]"},
+    aux={
+        "temperature": {"dtype": "float32", "shape": ["Hq"], "requires_grad": True},
+        "table": {"dtype": "float32", "shape": ["Hq", 8], "requires_grad": True},
+    },
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TRAINED,
+        fa4gen.AttentionSpec(
+            head_dim=32, score_mod={"kind": "relative_bias", "max_distance": 6, "requires_grad": True}
+        ),
+    ],
+    ids=["aux", "rel-bias"],
+)
+def test_trainable_tensors_get_their_gradients_through_the_op(reference_training, spec):
+    """Tensors the spec trains come back from the backward op and land in their .grad (aux
+    tensors by name, the relative-bias table by keyword), also under fullgraph torch.compile."""
+    from fa4gen.testing import reference_gradients
+
+    q, k, v = _inputs(2, 13, 13, spec, seed=5)
+    heads = q.shape[2]
+    dout = torch.randn(2, 13, heads, spec.dv).to(torch.bfloat16)
+    if spec.aux:
+        trained = {"temperature": torch.rand(heads) + 0.5, "table": torch.randn(heads, 8)}
+        variant = {"aux": {name: t.clone().requires_grad_() for name, t in trained.items()}}
+        leaves_of = lambda given: [given["aux"][name] for name in sorted(given["aux"])]  # noqa: E731
+    else:
+        variant = {"rel_bias": torch.randn(heads, 13).requires_grad_()}
+        leaves_of = lambda given: [given["rel_bias"]]  # noqa: E731
+
+    def step(q, k, v):
+        return (ops.attention(spec, q, k, v, **variant).float() * dout.float()).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    want = reference_gradients(spec, q, k, v, dout, args=variant)
+    got = [t.grad for t in leaves] + [t.grad for t in leaves_of(variant)]
+    assert len(got) == len(want) == 3 + len(leaves_of(variant))
+    for found, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(found.float(), expected, atol=2e-2, rtol=2e-2)
+    assert all(t.grad.abs().sum() > 0 for t in leaves_of(variant))
+
+
+def test_a_tensor_the_spec_does_not_train_may_not_require_grad(reference_training):
+    spec = fa4gen.AttentionSpec(head_dim=32, score_mod={"kind": "relative_bias", "max_distance": 6})
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 5, 5, spec))
+    kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
+    kernel.training = lambda: None
+    with pytest.raises(ValueError, match="rel_bias= requires grad, but the spec does not train it"):
+        kernel(q, k, v, rel_bias=torch.randn(2, 13).requires_grad_())

@@ -694,3 +694,47 @@ def test_every_spec_file_round_trips_through_yaml(tmp_path):
         spec = load_spec(path)
         again = spec_from_yaml(dump_spec(spec))
         assert again == spec and again.canonical_json() == spec.canonical_json(), path.name
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (
+            {"aux": {"ids": {"dtype": "int32", "shape": ["Hq"], "requires_grad": True}}, "score_mod": "score"},
+            "aux.ids.requires_grad: an int32 tensor has no gradient",
+        ),
+        (
+            {
+                "aux": {"limit": {"dtype": "float32", "shape": ["B"], "requires_grad": True}},
+                "mask": {"kind": "expression", "expr": "kv_idx < limit[b]"},
+            },
+            "aux.limit.requires_grad: only tensors the score_mod reads have a gradient",
+        ),
+        ({"score_mod": {"kind": "alibi", "requires_grad": True}}, "only slopes: tensor can train"),
+    ],
+    ids=["int32", "mask-only", "standard-alibi"],
+)
+def test_a_tensor_that_cannot_train_is_refused_naming_the_field(fields, needle):
+    if fields.get("score_mod") == "score":
+        fields = {**fields, "score_mod": {"kind": "expression", "expr": "score + ids[h]"}}
+    with pytest.raises(ValueError, match=needle):
+        fa4gen.AttentionSpec(head_dim=64, **fields)
+
+
+def test_trainable_tensors_come_last_in_the_backward_in_kernel_order():
+    from fa4gen.variants import grad_name, lower
+
+    spec = fa4gen.AttentionSpec(
+        head_dim=64,
+        score_mod={"kind": "expression", "expr": "score * t[h] + u[h, 0] + v[h]"},
+        aux={
+            "v": {"dtype": "float32", "shape": ["Hq"], "requires_grad": True},
+            "t": {"dtype": "float32", "shape": ["Hq"], "requires_grad": True},
+            "u": {"dtype": "float32", "shape": ["Hq", 2]},
+        },
+    )
+    lowered = lower(spec)
+    assert [e.name for e in lowered.trainable] == ["t", "v"]
+    backward = lowered.for_backward().extras
+    assert [e.name for e in backward] == ["t", "u", "v", grad_name("t"), grad_name("v")]
+    assert all(e.role == "aux_grad" and e.shape == ("Hq",) for e in backward[3:])

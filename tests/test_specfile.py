@@ -224,7 +224,10 @@ def test_yaml_errors_are_one_line(text: str, expected: str) -> None:
             "mask: {kind: chunked, size: 4, sizee: 3}\n",
             "spec.yaml: mask.chunked.sizee: unknown field; allowed: kind, size",
         ),
-        ("aux: {b: {dtype: float32, shape: [1], x: 1}}\n", "spec.yaml: aux.b.x: unknown field; allowed: dtype, shape"),
+        (
+            "aux: {b: {dtype: float32, shape: [1], x: 1}}\n",
+            "spec.yaml: aux.b.x: unknown field; allowed: dtype, requires_grad, shape",
+        ),
         ("causal: true\nwindow_right: 5\n", "spec.yaml: window_right=5 conflicts with causal=true"),
     ],
 )

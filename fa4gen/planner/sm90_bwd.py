@@ -11,7 +11,7 @@ import math
 
 from fa4gen.arch import MMA_K_GRANULE
 from fa4gen.expr import ExpressionError
-from fa4gen.expr_grad import derivative
+from fa4gen.expr_grad import aux_gradient, derivative
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
 from fa4gen.planner.model import Plan
 from fa4gen.planner.sm90_tables import SM90_BWD_REGISTER_SPLIT, SM90_BWD_TILES
@@ -34,6 +34,11 @@ def backward_problem(spec: AttentionSpec) -> str:
             derivative(lowered.score, "score")
         except ExpressionError as exc:
             return f"score_mod: no derivative with respect to score: {str(exc).splitlines()[0]}"
+    for extra in lowered.trainable:
+        try:
+            aux_gradient(lowered.score, extra.name)
+        except ExpressionError as exc:
+            return f"{extra.name}: no gradient: {str(exc).splitlines()[0]}"
     width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
     if width > SM90_BWD_TILES[-1].max_head_dim:
         return f"head_dim={spec.head_dim}, head_dim_v={spec.dv}: the backward supports head dims up to 128 so far"
@@ -64,6 +69,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         prefix_lm=spec.mask_kind == "prefix_lm",
         document=spec.mask_kind == "document",
         expression_mask=lowered.mask is not None,
+        aux_grads=tuple(extra.name for extra in lowered.trainable),
         deterministic=spec.deterministic,
     )
     config = Sm90BwdConfig(

@@ -25,14 +25,17 @@ SOFTMAX_SCALE = 0.08838834764831843
 
 @cute.jit
 def score_grad(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    '(modified score, its derivative with respect to the scaled score) of score - alibi_slopes[h] * abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)'
+    "(modified score, its derivative with respect to the scaled score, and with respect to the modifier's value) of score - alibi_slopes[h] * abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)"
     score = s * Float32(SOFTMAX_SCALE)
     value = Float32((score - (args.alibi_slopes[h] * Float32(cutlass.max(((q_idx + (seqlen_k - seqlen_q)) - kv_idx), -((q_idx + (seqlen_k - seqlen_q)) - kv_idx))))))
     slope = Float32(Float32(1.0))
-    return value, slope
+    return value, slope, Float32(1.0)
 
 
 SCORE_GRAD = score_grad
+
+
+AUX_GRAD = None
 
 MASK_MOD = None
 
@@ -53,6 +56,7 @@ CONFIG = Sm90BwdConfig(
     prefix_lm=False,
     document=False,
     expression_mask=False,
+    aux_grads=(),
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
@@ -67,7 +71,7 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD, aux_grad=AUX_GRAD)
 
 
 @cute.jit

@@ -4,6 +4,7 @@
 #   aux:
 #     temperature:
 #       dtype: float32
+#       requires_grad: true
 #       shape:
 #       - Hq
 #   causal: true
@@ -26,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa4gen.kernels.common.variant import add_at
 from fa4gen.kernels.sm90.bwd import HopperAttentionBackward
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
 
@@ -36,15 +38,33 @@ INV_SOFTCAP = 0.03333333333333333
 
 @cute.jit
 def score_grad(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    '(modified score, its derivative with respect to the scaled score) of score * temperature[h] - strength * log(1.0 + abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)), soft-capped'
+    "(modified score, its derivative with respect to the scaled score, and with respect to the modifier's value) of score * temperature[h] - strength * log(1.0 + abs(q_idx + (seqlen_k - seqlen_q) - kv_idx)), soft-capped"
     score = s * Float32(SOFTMAX_SCALE)
     value = Float32(((score * args.temperature[h]) - (args.strength * cute.math.log(Float32((Float32(1.0) + Float32(cutlass.max(((q_idx + (seqlen_k - seqlen_q)) - kv_idx), -((q_idx + (seqlen_k - seqlen_q)) - kv_idx))))), fastmath=True))))
     slope = Float32(args.temperature[h])
     t = cute.math.tanh(value * Float32(INV_SOFTCAP), fastmath=True)
-    return Float32(SOFTCAP) * t, slope * (Float32(1.0) - t * t)
+    outer = Float32(1.0) - t * t
+    return Float32(SOFTCAP) * t, slope * outer, outer
 
 
 SCORE_GRAD = score_grad
+
+
+@cute.jit
+def aux_derivatives(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
+    "The modifier's derivative with respect to each trainable tensor element it reads."
+    score = s * Float32(SOFTMAX_SCALE)
+    return (Float32(score), )
+
+
+@cute.jit
+def aux_add_0(value, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
+    'Add value into the gradient of temperature[h]'
+    add_at(args._grad_temperature, (h, ), value)
+
+
+# (derivatives, one adder per read, whether a read's element is the same for a whole step)
+AUX_GRAD = (aux_derivatives, (aux_add_0, ), (True, ))
 
 MASK_MOD = None
 
@@ -58,13 +78,14 @@ CONFIG = Sm90BwdConfig(
     scale_log2=1.4426950408889634,
     softcap=30.0,
     score_mod=True,
-    extra_names=('temperature', 'strength', ),
+    extra_names=('temperature', 'strength', '_grad_temperature', ),
     window_left=None,
     window_right=0,
     chunk=None,
     prefix_lm=False,
     document=False,
     expression_mask=False,
+    aux_grads=('temperature', ),
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
@@ -79,14 +100,14 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD, aux_grad=AUX_GRAD)
 
 
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, do: cute.Tensor, lse: cute.Tensor,
           dlse: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, dq_accum: cute.Tensor, dpsum: cute.Tensor,
-          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, x_temperature: cute.Tensor, x_strength: Float32,
+          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, x_temperature: cute.Tensor, x_strength: Float32, x__grad_temperature: cute.Tensor,
           stream: cuda.CUstream):
     """The exported function: the preprocess, main and postprocess launches on ``stream``, the
     variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, (x_temperature, x_strength, ), stream)
+    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, (x_temperature, x_strength, x__grad_temperature, ), stream)

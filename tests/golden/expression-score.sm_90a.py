@@ -4,6 +4,7 @@
 #   aux:
 #     temperature:
 #       dtype: float32
+#       requires_grad: true
 #       shape:
 #       - Hq
 #   causal: true

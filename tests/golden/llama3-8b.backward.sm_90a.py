@@ -18,6 +18,7 @@ from fa4gen.kernels.sm90.bwd import HopperAttentionBackward
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
 
 SCORE_GRAD = None
+AUX_GRAD = None
 
 MASK_MOD = None
 
@@ -38,6 +39,7 @@ CONFIG = Sm90BwdConfig(
     prefix_lm=False,
     document=False,
     expression_mask=False,
+    aux_grads=(),
     deterministic=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
@@ -52,7 +54,7 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD, aux_grad=AUX_GRAD)
 
 
 @cute.jit

@@ -7,6 +7,7 @@
 #   score_mod:
 #     kind: relative_bias
 #     max_distance: 128
+#     requires_grad: true
 #   softmax_scale: 1.0
 #
 # plan: sm_90a, HopperAttentionBackward with CONFIG below (`fa4gen plan --backward` gives the reasons)
@@ -16,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa4gen.kernels.common.variant import add_at
 from fa4gen.kernels.sm90.bwd import HopperAttentionBackward
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
 
@@ -24,14 +26,31 @@ SOFTMAX_SCALE = 1.0
 
 @cute.jit
 def score_grad(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
-    '(modified score, its derivative with respect to the scaled score) of score + rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -128), 128) + 128]'
+    "(modified score, its derivative with respect to the scaled score, and with respect to the modifier's value) of score + rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -128), 128) + 128]"
     score = s * Float32(SOFTMAX_SCALE)
     value = Float32((score + args.rel_bias[h, (cutlass.min(cutlass.max(((kv_idx - q_idx) - (seqlen_k - seqlen_q)), (-Int32(128))), Int32(128)) + Int32(128))]))
     slope = Float32(Float32(1.0))
-    return value, slope
+    return value, slope, Float32(1.0)
 
 
 SCORE_GRAD = score_grad
+
+
+@cute.jit
+def aux_derivatives(s, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
+    "The modifier's derivative with respect to each trainable tensor element it reads."
+    score = s * Float32(SOFTMAX_SCALE)
+    return (Float32(Float32(1.0)), )
+
+
+@cute.jit
+def aux_add_0(value, b, h, q_idx, kv_idx, seqlen_q, seqlen_k, args):
+    'Add value into the gradient of rel_bias[h, min(max(kv_idx - q_idx - (seqlen_k - seqlen_q), -128), 128) + 128]'
+    add_at(args._grad_rel_bias, (h, (cutlass.min(cutlass.max(((kv_idx - q_idx) - (seqlen_k - seqlen_q)), (-Int32(128))), Int32(128)) + Int32(128)), ), value)
+
+
+# (derivatives, one adder per read, whether a read's element is the same for a whole step)
+AUX_GRAD = (aux_derivatives, (aux_add_0, ), (False, ))
 
 MASK_MOD = None
 
@@ -45,13 +64,14 @@ CONFIG = Sm90BwdConfig(
     scale_log2=1.4426950408889634,
     softcap=None,
     score_mod=True,
-    extra_names=('rel_bias', ),
+    extra_names=('rel_bias', '_grad_rel_bias', ),
     window_left=None,
     window_right=None,
     chunk=None,
     prefix_lm=False,
     document=False,
     expression_mask=False,
+    aux_grads=('rel_bias', ),
     deterministic=False,
     head_dim_padded=64,
     head_dim_v_padded=64,
@@ -66,14 +86,14 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD, aux_grad=AUX_GRAD)
 
 
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, do: cute.Tensor, lse: cute.Tensor,
           dlse: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, dq_accum: cute.Tensor, dpsum: cute.Tensor,
-          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, x_rel_bias: cute.Tensor,
+          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, x_rel_bias: cute.Tensor, x__grad_rel_bias: cute.Tensor,
           stream: cuda.CUstream):
     """The exported function: the preprocess, main and postprocess launches on ``stream``, the
     variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, (x_rel_bias, ), stream)
+    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, (x_rel_bias, x__grad_rel_bias, ), stream)

@@ -6,6 +6,7 @@
 #   score_mod:
 #     kind: relative_bias
 #     max_distance: 128
+#     requires_grad: true
 #   softmax_scale: 1.0
 #
 # plan: sm_90a, HopperAttentionForward with CONFIG below (`fa4gen plan` gives the reasons)

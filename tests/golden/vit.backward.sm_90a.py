@@ -17,6 +17,7 @@ from fa4gen.kernels.sm90.bwd import HopperAttentionBackward
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig
 
 SCORE_GRAD = None
+AUX_GRAD = None
 
 MASK_MOD = None
 
@@ -37,6 +38,7 @@ CONFIG = Sm90BwdConfig(
     prefix_lm=False,
     document=False,
     expression_mask=False,
+    aux_grads=(),
     deterministic=False,
     head_dim_padded=64,
     head_dim_v_padded=64,
@@ -51,7 +53,7 @@ CONFIG = Sm90BwdConfig(
 
 
 def make_kernel() -> HopperAttentionBackward:
-    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD)
+    return HopperAttentionBackward(CONFIG, score_grad=SCORE_GRAD, mask_mod=MASK_MOD, aux_grad=AUX_GRAD)
 
 
 @cute.jit

@@ -16,3 +16,13 @@ class VariantArgs:
         self.names = tuple(names)
         for name, value in zip(names, values):
             setattr(self, name, value)
+
+
+def add_at(tensor, coords: tuple, value) -> None:
+    """Atomically add fp32 ``value`` into ``tensor`` at ``coords`` (a gradient summed over many
+    threads and CTAs, in no fixed order)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    target = tensor.iterator + cute.crd2idx(coords, tensor.layout)
+    cute.arch.red(target, Float32(value), op="add", dtype="f32", sem="relaxed", scope="gpu")

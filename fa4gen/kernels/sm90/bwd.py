@@ -51,16 +51,24 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     """One compiled backward; ``config`` is the planner's Sm90BwdConfig."""
 
     def __init__(
-        self, config: Sm90BwdConfig, score_grad: Optional[Callable] = None, mask_mod: Optional[Callable] = None
+        self,
+        config: Sm90BwdConfig,
+        score_grad: Optional[Callable] = None,
+        mask_mod: Optional[Callable] = None,
+        aux_grad: Optional[tuple] = None,
     ):
         problem = bwd_config_problem(config)
         assert not problem, problem
         assert (score_grad is not None) == config.score_mod, "a score modifier comes with its score_grad"
         assert (mask_mod is not None) == config.expression_mask, "an expression mask comes with its mask_mod"
+        assert (aux_grad is not None) == bool(config.aux_grads), "trainable tensors come with their aux_grad"
         self.cfg = config
         # (value, d value / d scaled score) of the variant's score modifier, and the expression
         # mask (b, h, q_idx, kv_idx, Sq, Sk, args) -> visible, from the emitted module
         self.score_grad, self.mask_mod = score_grad, mask_mod
+        # trainable tensors: (derivatives per read, an adder per read, whether a read's element
+        # is the same over a step), from the emitted module
+        self.aux_grad = aux_grad
         self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_consumers = config.num_consumer_warpgroups

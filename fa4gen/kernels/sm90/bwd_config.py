@@ -48,6 +48,9 @@ class Sm90BwdConfig(BaseModel):
     # an expression mask: the query tiles each key tile walks come from the backward's block mask
     # (fa4gen.blockmask.build_backward_block_mask), mask_mod from the emitted module
     expression_mask: bool
+    # run-time tensors that train (requires_grad): the kernel adds each score's share of their
+    # gradient (the emitted aux_grad's derivatives) into fp32 sums
+    aux_grads: tuple[str, ...]
     # the key tiles add into dQ in a fixed order (a semaphore per query tile and warpgroup's
     # share): gradients bit-identical from run to run
     deterministic: bool

@@ -264,26 +264,92 @@ class Sm90BwdStep:
         """A score modifier: per score, its value (P^T from it) and its derivative with respect to
         the scaled score (dS^T times it), from the emitted ``score_grad``; the rows' LSE and
         dPsum read from shared memory where used (held in registers beside the modifier's own
-        values they spilled)."""
+        values they spilled). With trainable tensors, each visible score also adds its share of
+        their gradient (``add_aux_grads``)."""
         n_block, head, batch, m_block, _ = at
         seqlen_q, seqlen_k, args = sizes
         coords = rows_cols_view(f.coords_s)
         warpgroup.wait_group(0)
+        uniform = None
+        if cutlass.const_expr(self.aux_grad is not None):
+            uniform = [Float32(0.0) for shared in self.aux_grad[2] if shared]
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             key = n_block * self.tile_n + coords[r, 0][0]
+            rows = None  # (the query rows that see the key: only where each score's visibility counts)
+            if cutlass.const_expr(self.aux_grad is not None):
+                rows = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 column = coords[0, c][1]
-                value, slope = self.score_grad(
-                    scores[r, c], batch, head, m_block * self.tile_m + column, key, seqlen_q, seqlen_k, args
-                )
+                row = m_block * self.tile_m + column
+                s = scores[r, c]
+                value, slope, outer = self.score_grad(s, batch, head, row, key, seqlen_q, seqlen_k, args)
                 prob = cute.math.exp2(value * Float32(LOG2_E) - smem.lse[column, state.index], fastmath=True)
+                dvalue = prob * (grads[r, c] - smem.dpsum[column, state.index])
+                if cutlass.const_expr(self.aux_grad is not None):
+                    # (hidden pairs' shares dropped here; their P^T and dS^T below, per row)
+                    visible = self.visible_pair(row, key, rows, at, sizes)
+                    share = Float32(cutlass.select_(visible, dvalue * outer, Float32(0.0)))
+                    uniform = self.add_aux_grads(s, share, (row, key), at, sizes, uniform)
                 scores[r, c] = prob
-                grads[r, c] = prob * (grads[r, c] - smem.dpsum[column, state.index]) * slope
+                grads[r, c] = dvalue * slope
             # masked last, as one select per row (no branch per score): whatever the modifier
             # gives outside the mask is dropped
             visible = self.visible_of_row(coords, r, at, sizes)
             scores[r, None].store(cute.where(visible, scores[r, None].load(), Float32(0.0)))
             grads[r, None].store(cute.where(visible, grads[r, None].load(), Float32(0.0)))
+        if cutlass.const_expr(self.aux_grad is not None):
+            self.add_uniform_aux_grads(uniform, batch, head, sizes)
+
+    @cute.jit
+    def visible_pair(self, row: Int32, key: Int32, rows, at, sizes):
+        """Whether query ``row`` sees ``key`` (``rows``: [lo, hi) of those that do by the
+        structural bounds), the expression mask applied too."""
+        _, head, batch, _, _ = at
+        seqlen_q, seqlen_k, args = sizes
+        visible = (row >= rows[0]) & (row < rows[1])
+        if cutlass.const_expr(self.mask_mod is not None):
+            row, key = cutlass.min(row, seqlen_q - 1), cutlass.min(key, seqlen_k - 1)
+            visible = visible & self.mask_mod(batch, head, row, key, seqlen_q, seqlen_k, args)
+        return visible
+
+    @cute.jit
+    def add_aux_grads(self, s, dvalue, pair, at, sizes, uniform):
+        """One score's share of the trainable tensors' gradients: dL/d(modifier) times the
+        modifier's derivative with respect to each element it reads. Elements that vary per score
+        are added at once (only where the share is non-zero: a hidden pair's indices may lie
+        outside the tensor); those the same over the step are summed in ``uniform``."""
+        row, key = pair
+        _, head, batch, _, _ = at
+        seqlen_q, seqlen_k, args = sizes
+        derivatives, adders, shared = self.aux_grad
+        # (the modifier's own arguments, so its common parts are computed once)
+        slopes = derivatives(s, batch, head, row, key, seqlen_q, seqlen_k, args)
+        row, key = cutlass.min(row, seqlen_q - 1), cutlass.min(key, seqlen_k - 1)
+        sums, i = list(uniform), 0
+        for read in cutlass.range_constexpr(len(adders)):
+            share = dvalue * slopes[read]
+            if cutlass.const_expr(shared[read]):
+                sums[i] = sums[i] + share
+                i += 1
+            else:
+                if share != Float32(0.0):
+                    adders[read](share, batch, head, row, key, seqlen_q, seqlen_k, args)
+        return sums
+
+    @cute.jit
+    def add_uniform_aux_grads(self, sums, batch: Int32, head: Int32, sizes):
+        """The step's sums of the per-step elements: reduced over the warp, added by its first lane."""
+        seqlen_q, seqlen_k, args = sizes
+        _, adders, shared = self.aux_grad
+        i = 0
+        for read in cutlass.range_constexpr(len(adders)):
+            if cutlass.const_expr(shared[read]):
+                total = sums[i]
+                for offset in cutlass.range_constexpr(5):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+                if cute.arch.lane_idx() == 0:
+                    adders[read](total, batch, head, Int32(0), Int32(0), seqlen_q, seqlen_k, args)
+                i += 1
 
     @cute.jit
     def mask_grads(self, f: BwdFragments, scores, grads, at, sizes):
