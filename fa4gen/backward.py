@@ -157,7 +157,16 @@ class BackwardKernel:
             (batch, heads, seqlen_q, seqlen_k, q.device),
             aux,
             lambda: build_backward_block_mask(
-                self.spec, c.tile_m, c.tile_n, batch, heads, seqlen_q, seqlen_k, {"aux": dict(aux or {})}, q.device
+                self.spec,
+                c.tile_m,
+                c.tile_n,
+                batch,
+                heads,
+                seqlen_q,
+                seqlen_k,
+                {"aux": dict(aux or {})},
+                q.device,
+                descending=c.dq_descending,
             ),
         )
         return [

@@ -146,7 +146,8 @@ class BackwardBlockMask:
     pair of is visible, lowest first (Hm: KV heads where the mask reads h, each the union of its
     query heads: one CTA walks them all). ``count`` (Bm, Hm, N); ``index``, ``full`` (every pair
     visible, for every query head of the group: no mask code) and ``turn`` (how many key tiles
-    below n walk that query tile: the deterministic backward's turn at its dQ), (Bm, Hm, N, M)."""
+    before n walk that query tile: the deterministic backward's turn at its dQ, key tiles
+    ordered as Sm90BwdConfig.dq_descending says), (Bm, Hm, N, M)."""
 
     count: Any
     index: Any
@@ -164,9 +165,10 @@ def build_backward_block_mask(
     seqlen_k: int,
     args: dict | None = None,
     device: Any = "cuda",
+    descending: bool = False,
 ) -> BackwardBlockMask:
     """Evaluate the spec's expression mask on ``device`` and reduce it to the backward's tiles
-    (``heads``: query heads)."""
+    (``heads``: query heads; ``descending``: the order of the key tiles' turns)."""
     import torch
 
     some, every = tile_visibility(spec, tile_m, tile_n, batch, heads, seqlen_q, seqlen_k, args, device)
@@ -180,7 +182,10 @@ def build_backward_block_mask(
         some = every = some.new_zeros((*some.shape[:-1], 1))
     count, index, full, order = _ranked(some, every, descending=False)
     walks = some.int()
-    before = torch.cumsum(walks, dim=2) - walks  # key tiles below n walking query tile m
+    if descending:  # key tiles above n walking query tile m
+        before = torch.flip(torch.cumsum(torch.flip(walks, dims=[2]), dim=2), dims=[2]) - walks
+    else:  # below n
+        before = torch.cumsum(walks, dim=2) - walks
     turn = torch.where(torch.gather(some, -1, order), torch.gather(before, -1, order), 0).to(torch.int32)
     return BackwardBlockMask(count, index, full, turn.contiguous())
 

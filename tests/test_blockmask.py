@@ -127,8 +127,9 @@ def test_backward_block_mask_walks_each_key_tile_over_the_query_tiles_that_see_i
     if name == "per-batch-length" and batch != 3:
         aux = {"lengths": torch.randint(1, sk + 1, (batch,), dtype=torch.int32)}
     plan = backward_plan(spec)
+    descending = plan.config.dq_descending
     bm = build_backward_block_mask(
-        spec, plan.config.tile_m, plan.config.tile_n, batch, kv_heads * group, sq, sk, {"aux": aux}, "cpu"
+        spec, plan.config.tile_m, plan.config.tile_n, batch, kv_heads * group, sq, sk, {"aux": aux}, "cpu", descending
     )
     nonempty, full = brute_force(spec, plan, batch, kv_heads * group, sq, sk, aux)
     nonempty = nonempty.view(batch, kv_heads, group, *nonempty.shape[2:]).any(dim=2)
@@ -137,7 +138,9 @@ def test_backward_block_mask_walks_each_key_tile_over_the_query_tiles_that_see_i
     uses = lower(spec).mask.uses
     assert mask_b == (batch if "b" in uses else 1) and mask_h == (kv_heads if "h" in uses else 1)
     walks, full = nonempty[:mask_b, :mask_h].transpose(2, 3), full[:mask_b, :mask_h].transpose(2, 3)
-    before = walks.int().cumsum(dim=2) - walks.int()
+    ordered = walks.int().flip(2) if descending else walks.int()  # (key tiles in their turns' order)
+    before = ordered.cumsum(dim=2) - ordered
+    before = before.flip(2) if descending else before
     assert torch.equal(bm.count, walks.sum(-1).int())
     for b in range(mask_b):
         for h in range(mask_h):

@@ -674,7 +674,10 @@ def _backward_key_ranges(kernel, seqlen_q: int, seqlen_k: int, batches: int, ext
                 tiles[b, n, 0] = m_min
                 tiles[b, n, 1] = m_max
                 for m in cutlass.range(m_min, m_max, unroll=1):
-                    turns[b, n, m] = kernel.key_queries.key_tiles_before(n, m, b, seqlen_q, seqlen_k, args)
+                    if cutlass.const_expr(kernel.cfg.dq_descending):
+                        turns[b, n, m] = kernel.key_queries.key_tiles_after(n, m, b, seqlen_q, seqlen_k, args)
+                    else:
+                        turns[b, n, m] = kernel.key_queries.key_tiles_before(n, m, b, seqlen_q, seqlen_k, args)
 
     run(
         from_dlpack(ranges),
@@ -716,9 +719,12 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
             queries = seen[:, n * kernel.tile_n : (n + 1) * kernel.tile_n].any(dim=1).nonzero().flatten()
             if len(queries):
                 assert m_min * kernel.tile_m <= queries.min() and queries.max() < m_max * kernel.tile_m, (b, n)
-        # deterministic dQ: a key tile's turn at a query tile counts the lower key tiles walking it
+        # deterministic dQ: a key tile's turn at a query tile counts the key tiles walking it
+        # before it: those below, or with a right bound those above (launched first)
         walks = (torch.arange(turns.shape[2]).view(1, -1) >= tiles[b, :, :1]) & (
             torch.arange(turns.shape[2]).view(1, -1) < tiles[b, :, 1:]
         )
-        expected = torch.where(walks, walks.int().cumsum(dim=0) - 1, -1)
+        order = walks.int().flip(0) if kernel.cfg.dq_descending else walks.int()
+        before = order.cumsum(dim=0) - 1
+        expected = torch.where(walks, before.flip(0) if kernel.cfg.dq_descending else before, -1)
         assert torch.equal(turns[b], expected.int()), f"batch {b}: turns at dQ"

@@ -89,8 +89,8 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
     why = dict.fromkeys(variant, "from the spec")
     if spec.deterministic:
         why["deterministic"] = (
-            "from the spec: each query tile's dQ takes the key tiles' sums in key order, one semaphore per "
-            "query tile and warpgroup (decision bwd-deterministic)"
+            "from the spec: each query tile's dQ takes the key tiles' sums in a fixed order (descending under "
+            "a right bound), one semaphore per query tile and warpgroup (decision bwd-deterministic)"
         )
     why.update(
         head_dim_padded="the head dim rounded up to the MMA's K granule (16)",

@@ -315,6 +315,33 @@ class KeyTileRange:
                 before = ranks[n_block * self.tile_n, 2] - ranks[first * self.tile_n, 2]
         return before
 
+    @cute.jit
+    def key_tiles_after(self, n_block: Int32, m_block: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32, args):
+        """How many key tiles above ``n_block`` walk query tile ``m_block`` (which ``n_block``
+        walks): the deterministic backward's turn in descending order. The query tile of each
+        key tile's first key's lowest row never decreases (also where a tile has no queries), so
+        a binary search finds the last tile whose rows start at or below ``m_block``; every tile
+        from ``n_block`` up to it that has queries ends past ``m_block`` (their ends never
+        decrease) and walks it: their count, from the documents' table of tiles with queries
+        below each tile (documents), or all of them."""
+        first, last = n_block, cute.ceil_div(seqlen_k, self.tile_n) - 1
+        while first < last:
+            middle = (first + last + 1) // 2
+            lowest, _ = self.key_query_range(middle * self.tile_n, batch, seqlen_q, seqlen_k, args)
+            if lowest // self.tile_m <= m_block:
+                first = middle
+            else:
+                last = middle - 1
+        after = first - n_block
+        if cutlass.const_expr(self.document):
+            ranks = args.doc_query_ranges
+            starts, ends = self.query_tiles_of_keys(first, batch, seqlen_q, seqlen_k, args)
+            walks = Int32(0)
+            if ends > starts:
+                walks = Int32(1)
+            after = ranks[first * self.tile_n, 2] + walks - ranks[n_block * self.tile_n, 2] - 1
+        return after
+
 
 @cute.jit
 def visible_columns(offsets: cute.TensorSSA, first_col: Int32, start: Int32, end: Int32, check_start: bool):

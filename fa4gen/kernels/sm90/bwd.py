@@ -14,7 +14,7 @@ structure, a table of packed documents' query rows, or an expression mask's back
 (bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
 registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
 accumulator in global memory (the only cross-CTA sum) that runs on during the next step; a
-deterministic backward adds each query tile's dQ in key-tile order (bwd_step.py).
+deterministic backward adds each query tile's dQ in a fixed key-tile order (bwd_step.py).
 
 Everything tile-shaped is a compile-time constant of Sm90BwdConfig; batch, heads and sequence
 lengths are run-time values.
@@ -237,6 +237,9 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         n_block, split_head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_descending):
+            # a key tile waits only on those whose sums come before its own, launched first
+            n_block = cute.ceil_div(tma_k[1].shape[0], self.tile_n) - 1 - n_block
         # a KV head's query heads may be shared out over head_splits CTAs (the runtime's choice,
         # where one CTA per KV head leaves SMs idle); their dK and dV partials are then summed
         kv_head, split = split_head // head_splits, split_head % head_splits
@@ -316,6 +319,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         if cutlass.const_expr(self.cfg.expression_mask):
             b, h, n = self._mask_coords(n_block, kv_head, batch, args)
             turn = args.bwd_block_turn[b, h, n, j]
+        elif cutlass.const_expr(self.cfg.dq_descending):
+            turn = self.key_queries.key_tiles_after(n_block, m_block, batch, seqlen_q, seqlen_k, args)
         else:
             turn = self.key_queries.key_tiles_before(n_block, m_block, batch, seqlen_q, seqlen_k, args)
         return turn

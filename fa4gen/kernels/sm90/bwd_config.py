@@ -6,7 +6,7 @@ it again). Imports no CuTe DSL, so planning stays cheap.
 One backward is three launches (fa4gen.kernels.sm90.bwd): the preprocess (rowsum(dO * O), the
 LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (one CTA per key tile and KV
 head: dK and dV in registers over the group's query heads and query tiles, dQ added to the fp32
-accumulator, in key-tile order when deterministic), and the postprocess (dQ scaled and rounded).
+accumulator, in a fixed key-tile order when deterministic), and the postprocess (dQ scaled and rounded).
 """
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ class Sm90BwdConfig(BaseModel):
     @property
     def tile_n(self) -> int:
         return WGMMA_M * self.num_consumer_warpgroups
+
+    @property
+    def dq_descending(self) -> bool:
+        """The deterministic backward's order of key tiles at each query tile's dQ: descending
+        where a right bound makes higher key tiles start their ascending walk at higher query
+        tiles (they reach a query tile first: none waits in the steady state, decision
+        bwd-deterministic), ascending otherwise (every key tile starts at the same query tile)."""
+        return self.window_right is not None
 
 
 def bwd_smem_bytes(c: Sm90BwdConfig) -> int:

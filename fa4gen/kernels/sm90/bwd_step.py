@@ -12,9 +12,11 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
    global memory by one TMA reduce-add per warpgroup, which runs on during the next step;
-   deterministic, each query tile's share takes the key tiles' sums in key order: a semaphore
-   per (query tile, warpgroup) counts the tiles added, and a key tile passes its turn once its
-   sum has landed, when it issues the next step's.
+   deterministic, each query tile's share takes the key tiles' sums in a fixed order (descending
+   under a right bound, whose higher key tiles reach a query tile first and launch first; else
+   ascending: Sm90BwdConfig.dq_descending): a semaphore per (query tile, warpgroup) counts the
+   tiles added, and a key tile passes its turn once its sum has landed, when it issues the next
+   step's.
 """
 
 from __future__ import annotations
