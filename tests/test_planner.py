@@ -1106,6 +1106,13 @@ def test_backward_plans_every_supported_head_dim_and_mask():
     [
         ({"head_dim": 192, "head_dim_v": 128}, "head_dim=192"),
         ({"head_dim": 256}, "head_dim=256"),
+        (
+            {
+                "deterministic": True,
+                "score_mod": {"kind": "relative_bias", "max_distance": 8, "requires_grad": True},
+            },
+            "deterministic: true with trainable tensors",
+        ),
     ],
 )
 def test_backward_refuses_a_variant_it_has_no_kernel_for(fields, named):

@@ -34,6 +34,12 @@ def backward_problem(spec: AttentionSpec) -> str:
             derivative(lowered.score, "score")
         except ExpressionError as exc:
             return f"score_mod: no derivative with respect to score: {str(exc).splitlines()[0]}"
+    if spec.deterministic and lowered.trainable:
+        names = ", ".join(extra.name for extra in lowered.trainable)
+        return (
+            f"deterministic: true with trainable tensors ({names}): their gradients are atomic sums in no "
+            "fixed order; train them without deterministic mode"
+        )
     for extra in lowered.trainable:
         try:
             aux_gradient(lowered.score, extra.name)
