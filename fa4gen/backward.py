@@ -116,11 +116,13 @@ class BackwardKernel:
             name: torch.empty(shape, dtype=torch.int32 if name == "dq_order" else torch.float32, device=q.device)
             for name, shape in shapes.items()
         }
-        splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], multiprocessor_count(q.device))
+        sms = multiprocessor_count(q.device)
+        splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], sms)
+        reversed_ = key_tiles_reversed(self.plan, k.shape[1], sms)
         sums = self._partial_sums(k, splits)
         lse, dlse = lse.contiguous(), dlse.contiguous()
         workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], work["dq_order"], *sums)
-        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, *extras)
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, reversed_, *extras)
         if splits > 1:  # the partials' sums, rounded
             dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])
             dv.copy_(sums[1][:, : k.shape[1], :, : self.spec.dv])
@@ -226,6 +228,19 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     )
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
+
+
+def key_tiles_reversed(plan: Plan, seqlen_k: int, sms: int) -> int:
+    """1 where a deterministic backward that adds dQ in descending key-tile order
+    (Sm90BwdConfig.dq_descending) must launch its key tiles highest first, else 0. Its key tiles
+    wait on higher ones; launched lowest (heaviest) first they balance better and wait only on
+    CTAs of their own (batch, head), which all fit on the GPU at once while there are no more key
+    tiles than SMs (one CTA each): whoever waits, what it waits for runs. Past that, highest first,
+    so every CTA waits only on CTAs launched before it (decision bwd-deterministic)."""
+    c = plan.config
+    if not (c.deterministic and c.dq_descending):
+        return 0
+    return 1 if -(-seqlen_k // c.tile_n) > sms else 0
 
 
 def sink_gradient(sinks, lse_log2, dpsum):

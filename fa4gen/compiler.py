@@ -80,9 +80,10 @@ def _fake_extras(spec: AttentionSpec, backward: bool = False) -> list[Any]:
 
 def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
-    lse_log2, dq_order, dk_accum, dv_accum, head_splits, *extras, stream): the workspaces compact
+    lse_log2, dq_order, dk_accum, dv_accum, head_splits, key_tiles_reversed, *extras, stream): the
+    workspaces compact
     fp32 (dq_order int32; planner.backward_workspace_shapes), their padded head dims and the
-    semaphores' warpgroups static; head_splits a run-time Int32."""
+    semaphores' warpgroups static; head_splits and key_tiles_reversed run-time Int32s."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -100,7 +101,20 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     rows = [workspace(), workspace()]
     order = workspace(plan.config.num_consumer_warpgroups, dtype=cutlass.Int32)
     extras = _fake_extras(spec, backward=True)
-    return [*tensors, _fake_lse(), _fake_lse(), *outputs, accum, *rows, order, *sums, cutlass.Int32(1), *extras, stream]
+    return [
+        *tensors,
+        _fake_lse(),
+        _fake_lse(),
+        *outputs,
+        accum,
+        *rows,
+        order,
+        *sums,
+        cutlass.Int32(1),
+        cutlass.Int32(0),
+        *extras,
+        stream,
+    ]
 
 
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:

@@ -168,8 +168,11 @@ def _save_for_backward(ctx, inputs, output) -> None:
     q, k, v = inputs[:3]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    # the gradients mirror the inputs: a list of Nones for each list argument, else None
-    ctx.lists = [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+    # the gradients mirror the inputs: a list of Nones for each list of tensors, else None (a list
+    # of numbers is one leaf to autograd)
+    ctx.lists = [
+        len(x) if isinstance(x, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in x) else None for x in inputs
+    ]
     ctx.arguments = [inputs[i] for i in _BACKWARD_ARGUMENTS]
     ctx.aux_names = inputs[AUX_NAMES_INPUT]
 

@@ -425,7 +425,11 @@ TRAINED = fa4gen.AttentionSpec(
     head_dim=32,
     qhead_per_kvhead=2,
     causal=True,
-    score_mod={"kind": "expression", "expr": "score * temperature[h] + table[h, max(min(q_idx - kv_idx, 7), 0)]"},
+    score_mod={
+        "kind": "expression",
+        "expr": "score * temperature[h] * gain + table[h, max(min(q_idx - kv_idx, 7), 0)]",
+    },
+    scalars={"gain": "float32", "unused": "int32"},  # (scalars: a list of numbers in the op, one leaf to autograd)
     aux={
         "temperature": {"dtype": "float32", "shape": ["Hq"], "requires_grad": True},
         "table": {"dtype": "float32", "shape": ["Hq", 8], "requires_grad": True},
@@ -454,7 +458,8 @@ def test_trainable_tensors_get_their_gradients_through_the_op(reference_training
     if spec.aux:
         trained = {"temperature": torch.rand(heads) + 0.5, "table": torch.randn(heads, 8)}
         variant = {"aux": {name: t.clone().requires_grad_() for name, t in trained.items()}}
-        leaves_of = lambda given: [given["aux"][name] for name in sorted(given["aux"])]  # noqa: E731
+        variant["aux"].update(gain=0.75, unused=3)
+        leaves_of = lambda given: [given["aux"][name] for name in sorted(trained)]  # noqa: E731
     else:
         variant = {"rel_bias": torch.randn(heads, 13).requires_grad_()}
         leaves_of = lambda given: [given["rel_bias"]]  # noqa: E731

@@ -1193,3 +1193,20 @@ def test_backward_workspaces_have_the_static_extents_the_kernel_was_traced_with(
         static = [(extent, want) for extent, want in zip(fake.shape, shapes[name]) if isinstance(extent, int)]
         assert all(extent == want for extent, want in static), (name, fake.shape, shapes[name])
     assert isinstance(traced[3].shape[3], int), "the semaphores' warpgroups are static"
+
+
+def test_a_deterministic_causal_backward_launches_highest_key_tiles_first_only_past_the_sm_count():
+    """Descending dQ turns (a right bound) launch heaviest first while one (batch, head)'s key
+    tiles fit on the GPU at once, highest first past that (each CTA then waits only on CTAs
+    launched before it); ascending turns and non-deterministic backwards never reverse."""
+    from fa4gen.backward import key_tiles_reversed
+    from fa4gen.planner import backward_plan
+
+    causal = backward_plan(AttentionSpec(head_dim=128, causal=True, deterministic=True))
+    assert causal.config.dq_descending
+    assert key_tiles_reversed(causal, 128 * 132, 132) == 0  # 132 key tiles on 132 SMs
+    assert key_tiles_reversed(causal, 128 * 132 + 1, 132) == 1
+    dense = backward_plan(AttentionSpec(head_dim=128, deterministic=True))
+    assert not dense.config.dq_descending and key_tiles_reversed(dense, 1 << 20, 132) == 0
+    free = backward_plan(AttentionSpec(head_dim=128, causal=True))
+    assert key_tiles_reversed(free, 1 << 20, 132) == 0

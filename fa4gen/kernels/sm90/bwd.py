@@ -106,6 +106,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
         mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
         head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads
+        key_tiles_reversed: Int32,  # 1: the grid's key tiles launch highest first (deterministic)
         extras: tuple,
         stream: cuda.CUstream,
     ):
@@ -135,7 +136,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        self.kernel(*tmas, mdQorder, (mdK, mdV, mdKaccum, mdVaccum), head_splits, extras, *layouts).launch(
+        grid_order = (head_splits, key_tiles_reversed)
+        self.kernel(*tmas, mdQorder, (mdK, mdV, mdKaccum, mdVaccum), grid_order, extras, *layouts).launch(
             grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits, batches),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
@@ -224,7 +226,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tma_dq,
         dq_order: cute.Tensor,
         outputs: tuple,
-        head_splits: Int32,
+        grid_order: tuple,
         extras: tuple,
         sQ_layout,
         sdO_layout,
@@ -237,9 +239,10 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         n_block, split_head, batch = cute.arch.block_idx()
+        head_splits, key_tiles_reversed = grid_order
         if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_descending):
-            # a key tile waits only on those whose sums come before its own, launched first
-            n_block = cute.ceil_div(tma_k[1].shape[0], self.tile_n) - 1 - n_block
+            if key_tiles_reversed != 0:  # (the runtime's choice: backward.key_tiles_reversed)
+                n_block = cute.ceil_div(tma_k[1].shape[0], self.tile_n) - 1 - n_block
         # a KV head's query heads may be shared out over head_splits CTAs (the runtime's choice,
         # where one CTA per KV head leaves SMs idle); their dK and dV partials are then summed
         kv_head, split = split_head // head_splits, split_head % head_splits
