@@ -94,13 +94,15 @@ def test_deterministic_dk_dv():
 
 
 @pytest.mark.parametrize(
-    "shape", [(2, 1000, 1000), (4, 4096, 4096), (1, 300, 2000)], ids=lambda s: "b{}-sq{}-sk{}".format(*s)
+    "shape",
+    [(2, 1000, 1000), (4, 4096, 4096), (1, 300, 2000), (1, 300, 17000)],
+    ids=lambda s: "b{}-sq{}-sk{}".format(*s),
 )
 @pytest.mark.parametrize("name", DETERMINISTIC_CASES)
 def test_deterministic_mode_gives_the_same_bits_every_run(name, shape):
     """spec.deterministic: dQ, dK, dV (and the sinks' gradient) bit-identical over 5 runs, also
-    with more CTAs than the GPU holds at once (B=4, S=4096: each waits only on key tiles below
-    its own, launched before it)."""
+    with more CTAs than the GPU holds at once (B=4, S=4096) and with more key tiles than SMs
+    (Sk=17000: 133 key tiles, launched highest first where turns descend)."""
     import torch
 
     spec = CASES[f"{name}-deterministic"]
