@@ -452,6 +452,7 @@ def test_trainable_tensors_get_their_gradients_through_the_op(reference_training
     tensors by name, the relative-bias table by keyword), also under fullgraph torch.compile."""
     from fa4gen.testing import reference_gradients
 
+    torch._dynamo.reset()  # (each case compiles its own step: no recompile of the one before)
     q, k, v = _inputs(2, 13, 13, spec, seed=5)
     heads = q.shape[2]
     dout = torch.randn(2, 13, heads, spec.dv).to(torch.bfloat16)
