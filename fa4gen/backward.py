@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.blockmask import build_backward_block_mask
-from fa4gen.kernels.sm90.bwd_config import KEY_TILES_NATURAL, KEY_TILES_REVERSED, KEY_TILES_ROTATED
 from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
     BlockMaskCache,
@@ -119,11 +118,11 @@ class BackwardKernel:
         }
         sms = multiprocessor_count(q.device)
         splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], sms)
-        order = key_tile_order(self.plan, k.shape[1], sms)
+        reversed_ = key_tiles_reversed(self.plan, k.shape[1], sms)
         sums = self._partial_sums(k, splits)
         lse, dlse = lse.contiguous(), dlse.contiguous()
         workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], work["dq_order"], *sums)
-        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, order, *extras)
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, reversed_, *extras)
         if splits > 1:  # the partials' sums, rounded
             dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])
             dv.copy_(sums[1][:, : k.shape[1], :, : self.spec.dv])
@@ -231,22 +230,17 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
 
 
-def key_tile_order(plan: Plan, seqlen_k: int, sms: int) -> int:
-    """How a deterministic backward orders its key tiles (KEY_TILES_* of fa4gen.kernels.sm90.bwd;
-    decision bwd-deterministic). Its key tiles wait on others of their own (batch, head): safe in
-    any order while those all fit on the GPU at once (no more key tiles than SMs, one CTA each:
-    whoever waits, what it waits for runs or starts once an earlier (batch, head) is done). Then
-    descending turns (a right bound) launch lowest, heaviest, first (the grid's order), and without
-    a mask each key tile's walk starts at its own query tile (rotated: no two queue at one query
-    tile). Past that, descending turns launch highest first and walks start at the first query
-    tile, so every CTA waits only on CTAs launched before it."""
+def key_tiles_reversed(plan: Plan, seqlen_k: int, sms: int) -> int:
+    """1 where a deterministic backward that adds dQ in descending key-tile order
+    (Sm90BwdConfig.dq_descending) must launch its key tiles highest first, else 0. Its key tiles
+    wait on higher ones; launched lowest (heaviest) first they balance better and wait only on
+    CTAs of their own (batch, head), which all fit on the GPU at once while there are no more key
+    tiles than SMs (one CTA each): whoever waits, what it waits for runs. Past that, highest first,
+    so every CTA waits only on CTAs launched before it (decision bwd-deterministic)."""
     c = plan.config
-    fits = -(-seqlen_k // c.tile_n) <= sms
-    if c.deterministic and c.dq_descending and not fits:
-        return KEY_TILES_REVERSED
-    if c.deterministic and c.dq_rotatable and fits:
-        return KEY_TILES_ROTATED
-    return KEY_TILES_NATURAL
+    if not (c.deterministic and c.dq_descending):
+        return 0
+    return 1 if -(-seqlen_k // c.tile_n) > sms else 0
 
 
 def sink_gradient(sinks, lse_log2, dpsum):

@@ -728,24 +728,3 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
         before = order.cumsum(dim=0) - 1
         expected = torch.where(walks, before.flip(0) if kernel.cfg.dq_descending else before, -1)
         assert torch.equal(turns[b], expected.int()), f"batch {b}: turns at dQ"
-
-
-@pytest.mark.parametrize("key_tiles,query_tiles", [(1, 1), (5, 5), (7, 3), (3, 7), (32, 64), (130, 128), (9, 1)])
-def test_rotated_walks_take_turns_in_the_order_they_reach_each_query_tile(key_tiles, query_tiles):
-    """Without a mask a deterministic backward may start key tile n's walk at query tile n mod M
-    (backward.key_tile_order): its turn at query tile m then counts the key tiles reaching m at an
-    earlier step, and those at the same step below it. Every query tile hands out each turn once."""
-    from fa4gen.kernels.sm90.bwd import rotated_turn
-
-    turns = torch.full((key_tiles, query_tiles), -1, dtype=torch.int32)
-
-    @cute.jit
-    def run(turns: cute.Tensor, key_tiles: Int32, query_tiles: Int32):
-        for n in cutlass.range(key_tiles, unroll=1):
-            for m in cutlass.range(query_tiles, unroll=1):
-                turns[n, m] = rotated_turn(n, m, key_tiles, query_tiles)
-
-    run(from_dlpack(turns), key_tiles, query_tiles)
-    for m in range(query_tiles):
-        order = sorted(range(key_tiles), key=lambda n: ((m - n) % query_tiles, n))  # (step reached, n)
-        assert [int(turns[n, m]) for n in order] == list(range(key_tiles)), f"query tile {m}"

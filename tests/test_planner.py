@@ -1195,24 +1195,18 @@ def test_backward_workspaces_have_the_static_extents_the_kernel_was_traced_with(
     assert isinstance(traced[3].shape[3], int), "the semaphores' warpgroups are static"
 
 
-def test_a_deterministic_backward_orders_its_key_tiles_by_whether_they_fit_on_the_gpu():
+def test_a_deterministic_causal_backward_launches_highest_key_tiles_first_only_past_the_sm_count():
     """Descending dQ turns (a right bound) launch heaviest first while one (batch, head)'s key
     tiles fit on the GPU at once, highest first past that (each CTA then waits only on CTAs
-    launched before it); without a mask walks rotate while they fit; other masks and
-    non-deterministic backwards keep the grid's order."""
-    from fa4gen.backward import key_tile_order
-    from fa4gen.kernels.sm90.bwd_config import KEY_TILES_NATURAL, KEY_TILES_REVERSED, KEY_TILES_ROTATED
+    launched before it); ascending turns and non-deterministic backwards never reverse."""
+    from fa4gen.backward import key_tiles_reversed
     from fa4gen.planner import backward_plan
 
     causal = backward_plan(AttentionSpec(head_dim=128, causal=True, deterministic=True))
-    assert causal.config.dq_descending and not causal.config.dq_rotatable
-    assert key_tile_order(causal, 128 * 132, 132) == KEY_TILES_NATURAL  # 132 key tiles on 132 SMs
-    assert key_tile_order(causal, 128 * 132 + 1, 132) == KEY_TILES_REVERSED
+    assert causal.config.dq_descending
+    assert key_tiles_reversed(causal, 128 * 132, 132) == 0  # 132 key tiles on 132 SMs
+    assert key_tiles_reversed(causal, 128 * 132 + 1, 132) == 1
     dense = backward_plan(AttentionSpec(head_dim=128, deterministic=True))
-    assert not dense.config.dq_descending and dense.config.dq_rotatable
-    assert key_tile_order(dense, 128 * 132, 132) == KEY_TILES_ROTATED
-    assert key_tile_order(dense, 128 * 132 + 1, 132) == KEY_TILES_NATURAL
-    left = backward_plan(AttentionSpec(head_dim=128, window_left=64, deterministic=True))
-    assert not left.config.dq_rotatable and key_tile_order(left, 4096, 132) == KEY_TILES_NATURAL
+    assert not dense.config.dq_descending and key_tiles_reversed(dense, 1 << 20, 132) == 0
     free = backward_plan(AttentionSpec(head_dim=128, causal=True))
-    assert key_tile_order(free, 1 << 20, 132) == KEY_TILES_NATURAL
+    assert key_tiles_reversed(free, 1 << 20, 132) == 0

@@ -37,7 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.common.variant import VariantArgs
-from fa4gen.kernels.sm90.bwd_config import KEY_TILES_REVERSED, KEY_TILES_ROTATED, Sm90BwdConfig, bwd_config_problem
+from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
 from fa4gen.kernels.sm90.bwd_prepost import Sm90BwdPrePost
 from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
 from fa4gen.kernels.sm90.producer import tma_pipeline
@@ -106,7 +106,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
         mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
         head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads
-        key_tile_order: Int32,  # deterministic: 1 key tiles launch highest first, 2 walks rotated (backward.py)
+        key_tiles_reversed: Int32,  # 1: the grid's key tiles launch highest first (deterministic)
         extras: tuple,
         stream: cuda.CUstream,
     ):
@@ -136,7 +136,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        grid_order = (head_splits, key_tile_order)
+        grid_order = (head_splits, key_tiles_reversed)
         self.kernel(*tmas, mdQorder, (mdK, mdV, mdKaccum, mdVaccum), grid_order, extras, *layouts).launch(
             grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits, batches),
             block=[self.threads, 1, 1],
@@ -239,9 +239,9 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         n_block, split_head, batch = cute.arch.block_idx()
-        head_splits, key_tile_order = grid_order
+        head_splits, key_tiles_reversed = grid_order
         if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_descending):
-            if key_tile_order == KEY_TILES_REVERSED:  # (the runtime's choice: backward.key_tile_order)
+            if key_tiles_reversed != 0:  # (the runtime's choice: backward.key_tiles_reversed)
                 n_block = cute.ceil_div(tma_k[1].shape[0], self.tile_n) - 1 - n_block
         # a KV head's query heads may be shared out over head_splits CTAs (the runtime's choice,
         # where one CTA per KV head leaves SMs idle); their dK and dV partials are then summed
@@ -275,12 +275,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         elif cutlass.const_expr(self.key_queries.structural):
             m_min, m_max = self.key_queries.query_tiles_of_keys(n_block, batch, seqlen_q, seqlen_k, args)
         first_head = kv_head * self.cfg.qhead_per_kvhead + split * heads
-        count = cutlass.max(m_max - m_min, 0)
-        rotation = Int32(-1)  # rotated walks: the index of the walk's first query tile, else -1
-        if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_rotatable):
-            if key_tile_order == KEY_TILES_ROTATED:
-                rotation = n_block % cutlass.max(count, 1)
-        where = (n_block, kv_head, batch, m_min, count, first_head, heads, rotation)
+        where = (n_block, kv_head, batch, m_min, cutlass.max(m_max - m_min, 0), first_head, heads)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
@@ -301,11 +296,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     @cute.jit
     def query_tile(self, where, j: Int32, args) -> Int32:
         """The query tile of this CTA's j-th step of a query head."""
-        n_block, kv_head, batch, m_min, count, _, _, rotation = where
+        n_block, kv_head, batch, m_min, _, _, _ = where
         m_block = m_min + j
-        if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_rotatable):
-            if rotation >= 0:
-                m_block = m_min + (j + rotation) % count
         if cutlass.const_expr(self.cfg.expression_mask):
             b, h, n = self._mask_coords(n_block, kv_head, batch, args)
             m_block = args.bwd_block_index[b, h, n, j]
@@ -317,7 +309,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         of it hidden); False without an expression mask."""
         exact = False
         if cutlass.const_expr(self.cfg.expression_mask):
-            n_block, kv_head, batch, _, _, _, _, _ = where
+            n_block, kv_head, batch, _, _, _, _ = where
             b, h, n = self._mask_coords(n_block, kv_head, batch, args)
             exact = args.bwd_block_full[b, h, n, j] == 0
         return exact
@@ -325,7 +317,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     @cute.jit
     def dq_turn(self, where, j: Int32, m_block: Int32, sizes) -> Int32:
         """How many key tiles add into query tile ``m_block``'s dQ before this CTA's (deterministic)."""
-        n_block, kv_head, batch, _, count, _, _, rotation = where
+        n_block, kv_head, batch, _, _, _, _ = where
         seqlen_q, seqlen_k, args = sizes
         if cutlass.const_expr(self.cfg.expression_mask):
             b, h, n = self._mask_coords(n_block, kv_head, batch, args)
@@ -334,9 +326,6 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             turn = self.key_queries.key_tiles_after(n_block, m_block, batch, seqlen_q, seqlen_k, args)
         else:
             turn = self.key_queries.key_tiles_before(n_block, m_block, batch, seqlen_q, seqlen_k, args)
-            if cutlass.const_expr(self.cfg.dq_rotatable):
-                if rotation >= 0:
-                    turn = rotated_turn(n_block, m_block, cute.ceil_div(seqlen_k, self.tile_n), count)
         return turn
 
     @cute.jit
@@ -344,7 +333,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         """One warp: K and V once, then each step's Q with its rows' LSE and dO with their dPsum."""
         (tma_q, mQ), (tma_do, mdO), (tma_k, mK), (tma_v, mV), (tma_lse, mLSE), (tma_dpsum, mdPsum) = tmas
         pipe_kv, pipe_q, pipe_do = pipes
-        n_block, kv_head, batch, m_min, count, first_head, heads, _ = where
+        n_block, kv_head, batch, m_min, count, first_head, heads = where
         tKs, tKg = self._tma_parts(tma_k, mK[None, None, kv_head, batch], smem.k, (self.tile_n, self.dqk))
         tVs, tVg = self._tma_parts(tma_v, mV[None, None, kv_head, batch], smem.v, (self.tile_n, self.dv))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -385,7 +374,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         values)."""
         pipe_kv, pipe_q, pipe_do = pipes
         tma_dq, semaphores = dq
-        n_block, kv_head, batch, m_min, count, first_head, heads, _ = where
+        n_block, kv_head, batch, m_min, count, first_head, heads = where
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -411,25 +400,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
     @cute.jit
     def _step_tile(self, where, step: Int32, args):
         """(query tile, head) of ``step`` (query tile -1 before the first)."""
-        _, _, _, _, count, first_head, _, _ = where
+        _, _, _, _, count, first_head, _ = where
         m_block, head = Int32(-1), first_head
         if step >= 0:
             m_block, head = self.query_tile(where, step % count, args), first_head + step // count
         return m_block, head
-
-
-@cute.jit
-def rotated_turn(n_block: Int32, m_block: Int32, key_tiles: Int32, query_tiles: Int32) -> Int32:
-    """A rotated walk's turn (no mask: each of the key tiles walks every query tile, key tile n
-    starting at query tile n mod M and reaching query tile m at step s(n) = (m - n) mod M): how
-    many key tiles come before ``n_block`` at ``m_block`` in the order (step, key tile), i.e.
-    those reaching it at an earlier step, s * (N // M) plus the earlier steps' residues below N mod
-    M, and those at the same step below it, n // M."""
-    full, rest = key_tiles // query_tiles, key_tiles % query_tiles
-    step = (m_block - n_block % query_tiles + query_tiles) % query_tiles
-    # residues m, m-1, ..., m-s+1 (mod M) of the key tiles of earlier steps, counted below rest
-    low = cutlass.min(m_block + 1, rest)
-    earlier = cutlass.max(0, low - (m_block - step + 1))
-    if step > m_block + 1:  # they wrap past 0 to M-1, M-2, ...
-        earlier = low + cutlass.max(0, rest - (query_tiles - (step - m_block - 1)))
-    return step * full + earlier + n_block // query_tiles

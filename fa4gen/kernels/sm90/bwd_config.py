@@ -19,9 +19,6 @@ from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
 
 DqSplit = Literal["m", "n"]
-# the deterministic backward's run-time key-tile order (backward.key_tile_order): the grid's
-# key tiles as launched, launched highest first, or each key tile's walk rotated to start at its own
-KEY_TILES_NATURAL, KEY_TILES_REVERSED, KEY_TILES_ROTATED = 0, 1, 2
 # registers a consumer thread needs besides its accumulators (addresses, loop state, the LSE
 # and dPsum of its columns): FA3's budget for 240-register consumers is 216 for accumulators
 ACCUMULATOR_HEADROOM = 24
@@ -79,20 +76,6 @@ class Sm90BwdConfig(BaseModel):
         tiles (they reach a query tile first: none waits in the steady state, decision
         bwd-deterministic), ascending otherwise (every key tile starts at the same query tile)."""
         return self.window_right is not None
-
-    @property
-    def dq_rotatable(self) -> bool:
-        """Whether every key tile walks every query tile (no mask), so a deterministic backward may
-        start key tile n's walk at query tile n (``backward.key_tile_order``): each query tile is
-        then reached by one key tile per step, in turn, where all starting at the first queue up."""
-        return not (
-            self.window_left is not None
-            or self.window_right is not None
-            or self.chunk is not None
-            or self.prefix_lm
-            or self.document
-            or self.expression_mask
-        )
 
 
 def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
