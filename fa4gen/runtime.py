@@ -217,7 +217,11 @@ class AttentionKernel:
             )
         if self.training is None:
             raise RuntimeError(f"{self!r} was not made by fa4gen.compile, which gives it its backward")
-        return call_with_grad(self, q, k, v, variant)
+        if _traced(q):  # torch.compile sees the custom op and its registered autograd formula
+            return call_with_grad(self, q, k, v, variant)
+        from fa4gen.backward import run_with_grad
+
+        return run_with_grad(self, q, k, v, variant)
 
     def _launch(
         self,

@@ -288,3 +288,68 @@ def test_training_a_spec_without_a_backward_is_one_error_before_any_compile(tmp_
         training()
     assert "\n" not in str(error.value)
     assert not list(cache.entries())
+
+
+class _ReferenceTraining:
+    """Stands in for TrainingKernels on the CPU: fa4gen's fp32 reference forward (with its LSE) and
+    autograd of it as the backward, counting the calls."""
+
+    def __init__(self, spec):
+        from fa4gen.api import training_spec
+
+        self.spec, self.sinks, self.calls = training_spec(spec), spec.sinks, []
+        self.forward_kernel = self._forward
+
+    def _forward(self, q, k, v, **variant):
+        from fa4gen.testing import reference
+
+        self.calls.append("forward")
+        out, lse = reference(self.spec, q, k, v, args=variant)
+        return out.to(q.dtype), lse
+
+    def backward_kernel(self):
+        from fa4gen.testing import reference_gradients
+
+        def backward(q, k, v, out, dout, lse, dlse=None, **variant):
+            self.calls.append("backward")
+            grads = reference_gradients(self.spec, q, k, v, dout, dlse=dlse, args=variant)
+            return tuple(g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v))) + tuple(grads[3:])
+
+        return backward
+
+
+def test_eager_training_runs_the_kernels_without_the_op_and_routes_every_gradient():
+    """An eager call under autograd goes through run_with_grad's autograd.Function (the custom op's
+    autograd path is for torch.compile): one forward and one backward launch, gradients into q, k,
+    v, the sink logits and the tensors the spec trains, the LSE's gradient included."""
+    import torch
+
+    from fa4gen.testing import reference_gradients
+
+    spec = fa4gen.AttentionSpec(
+        head_dim=32,
+        qhead_per_kvhead=2,
+        causal=True,
+        sinks=True,
+        return_lse=True,
+        score_mod={"kind": "expression", "expr": "score * temperature[h] + shift"},
+        aux={"temperature": {"dtype": "float32", "shape": ["Hq"], "requires_grad": True}},
+        scalars={"shift": "float32"},
+    )
+    kernel = AttentionKernel(spec, fa4gen.plan(spec), function=None)
+    stub = _ReferenceTraining(spec)
+    kernel.training = lambda: stub
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 11, h, 32, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    sinks, temperature = torch.randn(4, generator=gen), torch.rand(4, generator=gen) + 0.5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks, temperature)]
+    variant = {"sinks": leaves[3], "aux": {"temperature": leaves[4], "shift": 0.25}}
+    out, lse = kernel(*leaves[:3], **variant)
+    dout, dlse = torch.randn(out.shape, generator=gen).to(out.dtype), torch.randn(lse.shape, generator=gen)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    assert stub.calls == ["forward", "backward"]
+    want = reference_gradients(
+        spec, q, k, v, dout, dlse=dlse, args={"sinks": sinks, "aux": {"temperature": temperature, "shift": 0.25}}
+    )
+    for leaf, expected in zip(leaves, want, strict=True):
+        torch.testing.assert_close(leaf.grad.float(), expected, atol=2e-2, rtol=2e-2)
