@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -283,49 +282,3 @@ class TrainingKernels:
         if self._backward is None:
             self._backward = self._backward_loader()
         return self._backward
-
-
-def run_with_grad(kernel, q, k, v, variant: dict):
-    """``AttentionKernel.__call__`` under autograd, run eagerly: an autograd.Function whose forward
-    launches the spec's forward with its LSE and whose backward launches the backward kernel,
-    with no dispatcher between (the custom op's autograd path costs about 1 ms of host time per
-    training step: decision bwd-eager-autograd). Gradients reach q, k, v, the sink logits and the
-    tensors the spec trains; torch.compile traces the custom op instead (fa4gen.custom_op)."""
-    slots, tensors = [], []
-    if kernel.spec.sinks and variant.get("sinks") is not None:
-        slots.append(("sinks", None))
-        tensors.append(variant["sinks"])
-    for extra in lower(kernel.spec).trainable:
-        holder = (variant.get("aux") or {}) if extra.role == "aux" else variant
-        key = extra.name if extra.role == "aux" else extra.role
-        if holder.get(key) is not None:
-            slots.append((extra.role, extra.name))
-            tensors.append(holder[key])
-    out, lse = _eager_training().apply(kernel.training(), variant, tuple(slots), q, k, v, *tensors)
-    return (out, lse) if kernel.spec.return_lse else out
-
-
-@lru_cache(maxsize=1)
-def _eager_training():
-    """The autograd.Function of ``run_with_grad`` (made on first use: torch is imported late)."""
-    import torch
-
-    class EagerTraining(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, training, variant, slots, q, k, v, *tensors):
-            out, lse = training.forward_kernel(q, k, v, **variant)  # (grad mode is off in here)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.training, ctx.variant, ctx.slots = training, variant, slots
-            ctx.dtypes = [t.dtype for t in tensors]
-            return out, lse
-
-        @staticmethod
-        def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv, *rest = ctx.training.backward_kernel()(q, k, v, out, dout, lse, dlse, **ctx.variant)
-            dsinks = rest.pop(0) if ctx.training.sinks else None
-            trained = iter(rest)
-            grads = [dsinks if role == "sinks" else next(trained) for role, _ in ctx.slots]
-            return None, None, None, dq, dk, dv, *(g.to(t) for g, t in zip(grads, ctx.dtypes))
-
-    return EagerTraining

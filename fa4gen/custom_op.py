@@ -10,7 +10,9 @@ The op names what it runs with a string handle (fa4gen.handles, registered by wh
 ``AttentionKernel`` (its ``__call__`` uses the op whenever it is traced), or a spec whose kernel
 is compiled on the op's first real call (``fa4gen.ops.attention``). It returns ``(out, lse)``
 whether or not the spec returns the LSE (then ``lse`` is empty): the shape an autograd formula
-registered on it needs.
+registered on it needs. Eager calls under autograd skip the op and its autograd wrapper
+(``run_with_grad``, an autograd.Function onto the same kernels): that wrapper's host time made
+eager training steps host-bound.
 """
 
 from __future__ import annotations
@@ -287,3 +289,44 @@ def call(handle: str, spec: AttentionSpec, q, k, v, *, out=None, lse=None, **var
         raise ValueError("lse= was given, but the spec was compiled without return_lse")
     result_out, result_lse = torch.ops.fa4gen.forward(q, k, v, *_op_arguments(handle, variant))
     return _results(spec, result_out, result_lse, out, lse)
+
+
+def run_with_grad(kernel, q, k, v, variant: dict):
+    """``AttentionKernel.__call__`` under autograd, run eagerly: an autograd.Function whose forward
+    launches the spec's forward with its LSE and whose backward launches the backward kernel,
+    with no dispatcher between (the custom op's autograd path costs about 1 ms of host time per
+    training step: decision bwd-eager-autograd). Gradients reach q, k, v, the sink logits and the
+    tensors the spec trains. Traced calls (torch.compile) take the custom op above instead."""
+    slots, tensors = [], []
+    if kernel.spec.sinks and variant.get("sinks") is not None:
+        slots.append(("sinks", None))
+        tensors.append(variant["sinks"])
+    for extra in lower(kernel.spec).trainable:
+        holder = (variant.get("aux") or {}) if extra.role == "aux" else variant
+        key = extra.name if extra.role == "aux" else extra.role
+        if holder.get(key) is not None:
+            slots.append((extra.role, extra.name))
+            tensors.append(holder[key])
+    out, lse = _EagerTraining.apply(kernel.training(), variant, tuple(slots), q, k, v, *tensors)
+    return (out, lse) if kernel.spec.return_lse else out
+
+
+class _EagerTraining(torch.autograd.Function):
+    """``run_with_grad``'s autograd node: the training kernels launched directly."""
+
+    @staticmethod
+    def forward(ctx, training, variant, slots, q, k, v, *tensors):
+        out, lse = training.forward_kernel(q, k, v, **variant)  # (grad mode is off in here)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.training, ctx.variant, ctx.slots = training, variant, slots
+        ctx.dtypes = [t.dtype for t in tensors]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, *rest = ctx.training.backward_kernel()(q, k, v, out, dout, lse, dlse, **ctx.variant)
+        dsinks = rest.pop(0) if ctx.training.sinks else None
+        trained = iter(rest)
+        grads = [dsinks if role == "sinks" else next(trained) for role, _ in ctx.slots]
+        return None, None, None, dq, dk, dv, *(g.to(t) for g, t in zip(grads, ctx.dtypes))

@@ -219,7 +219,7 @@ class AttentionKernel:
             raise RuntimeError(f"{self!r} was not made by fa4gen.compile, which gives it its backward")
         if _traced(q):  # torch.compile sees the custom op and its registered autograd formula
             return call_with_grad(self, q, k, v, variant)
-        from fa4gen.backward import run_with_grad
+        from fa4gen.custom_op import run_with_grad
 
         return run_with_grad(self, q, k, v, variant)
 
