@@ -19,6 +19,7 @@ from fa4gen.blockmask import build_backward_block_mask
 from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
     BlockMaskCache,
+    DocumentTableCache,
     _check_output,
     _check_tensor,
     _packed_as_batch,
@@ -57,7 +58,12 @@ class BackwardKernel:
         self.spec, self.plan, self.key, self.path = spec, plan, key, path
         self._function = function
         self._lowered = lower(spec).for_backward()
-        self._doc_table: tuple = (None, None)  # documents: (cu_seqlens identity, table)
+        # an expression mask's backward block-mask tables, built by the callable after the checks
+        self._tables = tuple(e for e in self._lowered.extras if e.role.startswith("bwd_block_"))
+        self._checked = dataclasses.replace(
+            self._lowered, extras=tuple(e for e in self._lowered.extras if e not in self._tables)
+        )
+        self._doc_table = DocumentTableCache()  # documents: the last call's table
         self._block_masks = BlockMaskCache()  # expression masks, per shape and aux values
 
     def __repr__(self) -> str:
@@ -146,12 +152,10 @@ class BackwardKernel:
     def _extras(self, q, k, given, aux) -> list:
         """The kernel's extras (variant_arguments); an expression mask's backward block mask,
         built (and cached) once the values it reads have passed their checks."""
-        lowered = self._lowered
-        tables = [e for e in lowered.extras if e.role.startswith("bwd_block_")]
+        lowered, tables = self._lowered, self._tables
         if not tables:
             return variant_arguments(self.spec, q, k, given, aux, lowered=lowered)
-        checked = dataclasses.replace(lowered, extras=tuple(e for e in lowered.extras if e not in tables))
-        values = iter(variant_arguments(self.spec, q, k, given, aux, lowered=checked))
+        values = iter(variant_arguments(self.spec, q, k, given, aux, lowered=self._checked))
         batch, seqlen_q, heads, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
         c = self.plan.config
         mask = self._block_masks.get(
@@ -176,16 +180,13 @@ class BackwardKernel:
         ]
 
     def _document_table(self, cu_seqlens_q, cu_seqlens_k, q, k):
-        """``document_query_ranges`` for this kernel's key tiles, kept while both cu_seqlens are
-        the same unmodified tensors and the packed lengths the same."""
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k))
-        key += (q.shape[1], k.shape[1])
-        if self._doc_table[0] != key:
-            table = document_query_ranges(
-                self.spec, self.plan.config.tile_n, cu_seqlens_q, cu_seqlens_k, q.shape[1], k.shape[1]
-            )
-            self._doc_table = (key, table)
-        return self._doc_table[1]
+        """``document_query_ranges`` for this kernel's key tiles (``DocumentTableCache``)."""
+        return self._doc_table.get(
+            cu_seqlens_q,
+            cu_seqlens_k,
+            (q.shape[1], k.shape[1]),
+            lambda: document_query_ranges(self.spec, self.plan.config.tile_n, cu_seqlens_q, cu_seqlens_k, k.shape[1]),
+        )
 
     def _partial_sums(self, k, splits: int):
         """dK's and dV's fp32 sums over whole key tiles, zeroed, where the query heads are split

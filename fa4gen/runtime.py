@@ -109,7 +109,7 @@ class AttentionKernel:
         self._pending = None  # background.PendingBuild of this plan's kernel while a first-call one runs
         self._build_lock = threading.Lock()
         self._block_masks = BlockMaskCache()  # expression masks, per shape and aux values
-        self._doc_tables: tuple = (None, None)  # document masks: (cu_seqlens identity, tables)
+        self._doc_tables = DocumentTableCache()  # document masks: the last call's tables
         self._lowered = lower(spec)  # parsed once: calls only look it up
         self.handle = op_handle(self)  # names this kernel to the torch custom op (fa4gen.custom_op)
         # () -> fa4gen.backward.TrainingKernels: what autograd runs (set by fa4gen.compile)
@@ -299,14 +299,14 @@ class AttentionKernel:
         return (out, lse) if self.spec.return_lse else out
 
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
-        """``document_tables`` for this kernel's tiles, kept while both cu_seqlens are the same
-        unmodified tensors."""
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_seqlens_q, cu_seqlens_k)) + (total,)
-        if self._doc_tables[0] != key:
-            config = self.plan.config
-            tables = document_tables(self.spec, config.tile_m, config.tile_n, cu_seqlens_q, cu_seqlens_k, total)
-            self._doc_tables = (key, tables)
-        return self._doc_tables[1]
+        """``document_tables`` for this kernel's tiles (``DocumentTableCache``)."""
+        c = self.plan.config
+        return self._doc_tables.get(
+            cu_seqlens_q,
+            cu_seqlens_k,
+            (total,),
+            lambda: document_tables(self.spec, c.tile_m, c.tile_n, cu_seqlens_q, cu_seqlens_k, total),
+        )
 
     def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, aux=None, device="cuda"):
         """Build the block mask of this kernel's expression mask for one shape (on the GPU), to
@@ -325,6 +325,20 @@ class AttentionKernel:
             aux,
             lambda: self.block_mask(batch, heads, seqlen_q, seqlen_k, aux=aux, device=q.device),
         )
+
+
+class DocumentTableCache:
+    """The tables last built from a call's cu_seqlens, kept while both are the same unmodified
+    tensors (torch's version counter) and the packed sizes the same."""
+
+    def __init__(self):
+        self._key, self._tables = None, None
+
+    def get(self, cu_seqlens_q, cu_seqlens_k, sizes: tuple, build):
+        key = (_identity(cu_seqlens_q), _identity(cu_seqlens_k), *sizes)
+        if self._key != key:
+            self._tables, self._key = build(), key
+        return self._tables
 
 
 class BlockMaskCache:
@@ -372,7 +386,7 @@ def _trainable_inputs(variant: dict) -> list:
 
 def _records_grad(*inputs) -> bool:
     """Whether autograd records this call (grad mode on and an input requiring a gradient: q, k,
-    v or the sink logits)."""
+    v or a run-time tensor, ``_trainable_inputs``)."""
     import torch
 
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
@@ -469,7 +483,7 @@ def document_tables(spec: AttentionSpec, tile_m: int, tile_n: int, cu_seqlens_q,
     return torch.stack((start, end), dim=1).to(torch.int32).contiguous(), tiles.to(torch.int32).contiguous()
 
 
-def document_query_ranges(spec: AttentionSpec, tile_n: int, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+def document_query_ranges(spec: AttentionSpec, tile_n: int, cu_seqlens_q, cu_seqlens_k, total_k: int):
     """The backward's document table, (total_k, 3) int32 (torch, on cu_seqlens' device): per
     packed key, [lo, hi) of the packed query rows that see it (its document's rows, causal /
     window bounds aligned to the document's end as in ``document_tables``; hi == lo: none, keys

@@ -704,7 +704,7 @@ def test_backward_sees_each_key_from_exactly_the_queries_that_see_it(name, shape
     batches, args = _case_arguments(spec, seqlen_q, seqlen_k)
     if spec.is_varlen:  # the backward's table (checked here against visible_keys, written apart)
         cu = (args["cu_seqlens_q"], args["cu_seqlens_k"])
-        args["doc_query_ranges"] = document_query_ranges(spec, kernel.tile_n, *cu, seqlen_q, seqlen_k)
+        args["doc_query_ranges"] = document_query_ranges(spec, kernel.tile_n, *cu, seqlen_k)
     extras = tuple(args[extra.name] for extra in lower(spec).for_backward().extras)
     ranges, tiles, turns = _backward_key_ranges(kernel, seqlen_q, seqlen_k, batches, extras)
     visible = visible_keys(spec, seqlen_q, seqlen_k, args=args)  # (B or 1, 1, Sq, Sk)
