@@ -4,6 +4,7 @@
     python benchmarks/backward.py run  [--grid full|quick] [--match gqa8,d64] [--out rows.json]   # on the GPU
     python benchmarks/backward.py report rows.json > table.md
     python benchmarks/backward.py {warm,run} --deterministic [--match d128]   # deterministic mode's cost
+    python benchmarks/backward.py {warm,run} --plan tile_m=128,dq_split=m [--match d64]   # a plan A/B
 
 Cells follow the forward grid's rule (fa4gen.bench: B x S = 16k tokens, Hq x d = 2048). Peers:
 flash-attn-4 (``flash_attn.cute.flash_attn_func`` under autograd), SDPA with the cuDNN and the
@@ -13,7 +14,8 @@ saved out and LSE; peers: autograd's backward of a recorded forward, graph kept)
 forward (all through autograd). TFLOP/s counts 2.5x the forward's useful FLOPs for the backward
 (its five matrix products against the forward's two). With --deterministic a run times the
 backward kernel alone twice per cell, without and with ``spec.deterministic`` (no peers), and
-the report gives its cost.
+the report gives its cost. With --plan FIELD=VALUE,... likewise against the backward plan with
+those config fields changed (an A/B of one plan option, checked as ``fa4gen.build`` checks plans).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fa4gen  # noqa: E402
 from fa4gen import bench  # noqa: E402
 from fa4gen.api import build_training, training_spec  # noqa: E402
-from fa4gen.planner import backward_plan  # noqa: E402
+from fa4gen.planner import Plan, backward_plan  # noqa: E402
 from fa4gen.spec import AttentionSpec  # noqa: E402
 
 BACKWARD_FLOPS = 2.5
@@ -46,6 +48,13 @@ def grid(which: str) -> list[bench.BenchCase]:
         for causal in (False, True):
             for s in seqlens if which == "full" else (4096,):
                 cases.append(bench.make_case(AttentionSpec(head_dim=128, qhead_per_kvhead=ratio, causal=causal), s))
+    for causal in (False, True):  # past d128: dK and dV split by head-dim columns
+        for spec in (
+            AttentionSpec(head_dim=192, head_dim_v=128, causal=causal),
+            AttentionSpec(head_dim=256, causal=causal),
+        ):
+            for s in seqlens if which == "full" else (4096,):
+                cases.append(bench.make_case(spec, s))
     for spec in (
         AttentionSpec(head_dim=128, causal=True, softcap=30.0),
         AttentionSpec(head_dim=128, causal=True, window_left=1024),
@@ -66,12 +75,38 @@ def _deterministic(spec: AttentionSpec) -> AttentionSpec:
     return spec.model_copy(update={"deterministic": True})
 
 
+def _changed_plan(spec: AttentionSpec, changes: str) -> Plan:
+    """The backward plan of ``spec`` (with its LSE) with config fields set from "field=value,..."."""
+    plan = backward_plan(training_spec(spec))
+    fields = type(plan.config).model_fields
+    update = {}
+    for item in changes.split(","):
+        name, _, text = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--plan: {name!r} is not a backward config field ({', '.join(fields)})")
+        update[name] = json.loads(text) if text[:1].isdigit() or text in ("true", "false") else text
+    return plan.model_copy(update={"config": plan.config.model_copy(update=update)})
+
+
+def _alternative(spec: AttentionSpec, args, build: bool = False):
+    """The backward timed against the default one: deterministic, or the changed plan (built
+    into the cache with ``build``, else loaded from it)."""
+    if args.deterministic:
+        ordered = training_spec(_deterministic(spec))
+        if build:
+            return fa4gen.build(ordered, "sm_90a", kernel_plan=backward_plan(ordered))
+        return fa4gen.compile_backward(ordered)
+    changed = _changed_plan(spec, args.plan)
+    if build:
+        return fa4gen.build(training_spec(spec), "sm_90a", kernel_plan=changed)
+    return fa4gen.compile_backward(spec, kernel_plan=changed)
+
+
 def warm(args) -> None:
     for spec in bench.specs_of(_cells(args)):
-        if args.deterministic:  # the backward alone, both ways, on the forward of the first
+        if args.deterministic or args.plan:  # the backward alone, both ways, on the forward of the first
             forward, backward = build_training(spec)
-            ordered = training_spec(_deterministic(spec))
-            fa4gen.build(ordered, "sm_90a", kernel_plan=backward_plan(ordered))
+            _alternative(spec, args, build=True)
         else:
             fa4gen.build(spec, "sm_90a")  # (fa4gen.compile(spec) looks it up before autograd runs the LSE one)
             forward, backward = build_training(spec)
@@ -125,7 +160,7 @@ def _time_autograd(forward, input_sets):
     return alone, both
 
 
-def run_case(case: bench.BenchCase, deterministic: bool = False) -> dict:
+def run_case(case: bench.BenchCase, args) -> dict:
     import torch
 
     spec = case.spec
@@ -141,13 +176,14 @@ def run_case(case: bench.BenchCase, deterministic: bool = False) -> dict:
             out, lse = forward(q, k, v)
             saved.append((q, k, v, out, dout, lse))
     ms = bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)
-    if deterministic:  # the same saved tensors, then each way again (order-balanced)
-        ordered = fa4gen.compile_backward(_deterministic(spec))
-        ms_ordered = bench.time_ms(lambda *a: ordered(*a), saved, iters=10, warmup=2)
-        ms_ordered = (ms_ordered + bench.time_ms(lambda *a: ordered(*a), saved, iters=10, warmup=2)) / 2
+    if args.deterministic or args.plan:  # the same saved tensors, then each way again (order-balanced)
+        other = _alternative(spec, args)
+        ms_other = bench.time_ms(lambda *a: other(*a), saved, iters=10, warmup=2)
+        ms_other = (ms_other + bench.time_ms(lambda *a: other(*a), saved, iters=10, warmup=2)) / 2
         ms = (ms + bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)) / 2
         row["fa4gen"] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9}
-        row["deterministic"] = {"bwd_ms": ms_ordered, "bwd_tflops": BACKWARD_FLOPS * flops / ms_ordered / 1e9}
+        row["alternative"] = {"bwd_ms": ms_other, "bwd_tflops": BACKWARD_FLOPS * flops / ms_other / 1e9}
+        row["label"] = "deterministic" if args.deterministic else args.plan
         return row
     kernel = fa4gen.compile(spec)
     _, both = _time_autograd(lambda q, k, v: kernel(q, k, v), sets)
@@ -166,15 +202,15 @@ def run(args) -> None:
     rows = []
     for case in _cells(args):
         try:
-            row = run_case(case, args.deterministic)
+            row = run_case(case, args)
         except fa4gen.CacheMiss as exc:  # (FA4GEN_NO_COMPILE=1 with a cache holding only some cells)
             print(f"{case.name:34} S={case.seqlen:5} skipped: {exc}", flush=True)
             continue
         rows.append(row)
-        if args.deterministic:
-            mine, ordered = row["fa4gen"]["bwd_tflops"], row["deterministic"]["bwd_tflops"]
+        if "alternative" in row:
+            mine, other = row["fa4gen"]["bwd_tflops"], row["alternative"]["bwd_tflops"]
             head = f"{case.name:34} S={case.seqlen:5} B={case.batch:2}"
-            print(f"{head}  bwd TFLOP/s {mine:.0f}, deterministic {ordered:.0f}", flush=True)
+            print(f"{head}  bwd TFLOP/s {mine:.0f}, {row['label']} {other:.0f}", flush=True)
             continue
         cells = "  ".join(
             f"{name} {row[name]['bwd_tflops']:.0f}/{row[name]['fwdbwd_ms']:.2f}ms"
@@ -193,8 +229,8 @@ def report(args) -> None:
     import math
 
     rows = json.loads(Path(args.rows).read_text())["rows"]
-    if any("deterministic" in row for row in rows):
-        return _report_deterministic(rows)
+    if any("alternative" in row for row in rows):
+        return _report_alternative(rows)
     peers = [p for p in PEERS if any("bwd_tflops" in r.get(p, {}) for r in rows)]
     print(
         "| case | S | B | fa4gen | " + " | ".join(peers) + " | vs flash-attn-4 | vs cuDNN | fwd+bwd vs flash-attn-4 |"
@@ -227,19 +263,21 @@ def report(args) -> None:
             print(f"- fa4gen / {peer}: min {min(found):.2f}x, geometric mean {mean:.2f}x over {len(found)} cells")
 
 
-def _report_deterministic(rows: list[dict]) -> None:
-    """Deterministic mode's cost per cell: the backward kernel's TFLOP/s without and with it."""
+def _report_alternative(rows: list[dict]) -> None:
+    """Deterministic mode's cost, or a changed plan's worth, per cell: the backward kernel's
+    TFLOP/s by default and the other way."""
     import math
 
-    print("| case | S | B | backward TFLOP/s | deterministic | deterministic / default |\n|---|---|---|---|---|---|")
+    label = rows[0]["label"]
+    print(f"| case | S | B | backward TFLOP/s | {label} | {label} / default |\n|---|---|---|---|---|---|")
     kept = []
     for row in rows:
-        mine, ordered = row["fa4gen"]["bwd_tflops"], row["deterministic"]["bwd_tflops"]
-        kept.append(ordered / mine)
-        cells = f"{mine:.0f} | {ordered:.0f} | {ordered / mine:.2f}x"
+        mine, other = row["fa4gen"]["bwd_tflops"], row["alternative"]["bwd_tflops"]
+        kept.append(other / mine)
+        cells = f"{mine:.0f} | {other:.0f} | {other / mine:.2f}x"
         print(f"| {row['name']} | {row['seqlen']} | {row['batch']} | {cells} |")
     mean = math.exp(sum(map(math.log, kept)) / len(kept))
-    print(f"\n- deterministic / default: min {min(kept):.2f}x, geometric mean {mean:.2f}x over {len(kept)} cells")
+    print(f"\n- {label} / default: min {min(kept):.2f}x, geometric mean {mean:.2f}x over {len(kept)} cells")
 
 
 def _environment() -> dict:
@@ -256,6 +294,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--match", default="", help="only cells whose name contains one of these words (a,b)")
     parser.add_argument("--deterministic", action="store_true", help="time deterministic mode's cost (no peers)")
+    parser.add_argument("--plan", default="", help="time the backward plan with these config fields changed (f=v,...)")
     args = parser.parse_args()
     {"warm": warm, "run": run, "report": report}[args.mode](args)
 

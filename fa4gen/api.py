@@ -281,18 +281,23 @@ def compile_backward(
     arch: Arch | str | None = None,
     cache_dir: str | Path | None = None,
     no_compile: bool | None = None,
+    kernel_plan: Plan | None = None,
 ):
     """``spec``'s backward on the current GPU (or ``arch``): ``dq, dk, dv = kernel(q, k, v, out,
     dout, lse)`` (fa4gen.backward.BackwardKernel), from the cache or compiled now (CacheMiss with
-    ``no_compile``); ValueError naming the spec field if the spec has no backward. Autograd through
-    ``fa4gen.compile(spec)`` calls this on its first backward."""
+    ``no_compile``); ValueError naming the spec field if the spec has no backward. The plan is
+    ``kernel_plan`` if given (a backward plan, checked as ``build`` checks it), else the planner's.
+    Autograd through ``fa4gen.compile(spec)`` calls this on its first backward."""
     from fa4gen.backward import BackwardKernel
 
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"fa4gen.compile_backward takes an AttentionSpec, got {type(spec).__name__}")
     target = Arch.parse(arch) if arch is not None else detect_arch()
     spec = training_spec(spec)
-    kernel_plan = backward_plan(spec, target)
+    if kernel_plan is None:
+        kernel_plan = backward_plan(spec, target)
+    elif not kernel_plan.is_backward:
+        raise ValueError(f"kernel_plan: a backward plan is needed, got {kernel_plan.kernel}")
     cache = _process_cache(cache_dir)
     refuse = _no_compile_default() if no_compile is None else no_compile
     key = make_key(cache_key_parts(spec, kernel_plan, target))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fa4gen.blockmask import build_backward_block_mask
+from fa4gen.kernels.sm90.bwd_config import KeyTileOrder
 from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
     BlockMaskCache,
@@ -124,11 +125,11 @@ class BackwardKernel:
         }
         sms = multiprocessor_count(q.device)
         splits = head_splits(self.plan, batch, k.shape[2], k.shape[1], sms)
-        reversed_ = key_tiles_reversed(self.plan, k.shape[1], sms)
+        order = key_tile_order(self.plan, batch, k.shape[2] * splits, k.shape[1], sms)
         sums = self._partial_sums(k, splits)
         lse, dlse = lse.contiguous(), dlse.contiguous()
         workspaces = (work["dq_accum"], work["dpsum"], work["lse_log2"], work["dq_order"], *sums)
-        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, reversed_, *extras)
+        self._function(q, k, v, out, dout, lse, dlse, dq, dk, dv, *workspaces, splits, order, *extras)
         if splits > 1:  # the partials' sums, rounded
             dk.copy_(sums[0][:, : k.shape[1], :, : self.spec.head_dim])
             dv.copy_(sums[1][:, : k.shape[1], :, : self.spec.dv])
@@ -231,17 +232,33 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
 
 
-def key_tiles_reversed(plan: Plan, seqlen_k: int, sms: int) -> int:
-    """1 where a deterministic backward that adds dQ in descending key-tile order
-    (Sm90BwdConfig.dq_descending) must launch its key tiles highest first, else 0. Its key tiles
-    wait on higher ones; launched lowest (heaviest) first they balance better and wait only on
-    CTAs of their own (batch, head), which all fit on the GPU at once while there are no more key
-    tiles than SMs (one CTA each): whoever waits, what it waits for runs. Past that, highest first,
-    so every CTA waits only on CTAs launched before it (decision bwd-deterministic)."""
+# the most CTAs per SM that launch heaviest key tiles first (decision bwd-key-tile-order)
+OUTERMOST_MAX_CTAS_PER_SM = 8
+
+
+def key_tile_order(plan: Plan, batch: int, groups: int, seqlen_k: int, sms: int) -> int:
+    """How the grid launches key tiles (KeyTileOrder), for ``groups`` CTAs per key tile and batch
+    entry (KV heads times head splits):
+    - a deterministic backward that adds dQ in descending key-tile order (Sm90BwdConfig.dq_descending):
+      its key tiles wait on higher ones; lowest (heaviest) first they balance better and wait only
+      on CTAs of their own (batch, head), which all fit on the GPU at once while there are no more
+      key tiles than SMs (one CTA each). Past that, highest first, so every CTA waits only on CTAs
+      launched before it (decision bwd-deterministic);
+    - under a right bound (causal) without deterministic mode, with more CTAs than SMs but at most
+      OUTERMOST_MAX_CTAS_PER_SM per SM: key tile 0 of every (KV head, batch) first, then key tile
+      1, ...: the lowest key tiles see the most query tiles, so the heaviest CTAs start first and
+      the light ones fill the tail. With more, shorter CTAs the tail is short and the natural
+      order's CTAs of one (KV head, batch), which read the same Q and dO, running together in L2
+      is worth more (decision bwd-key-tile-order);
+    - else each (KV head, batch)'s key tiles in turn, lowest first (its CTAs share Q and dO in L2)."""
     c = plan.config
-    if not (c.deterministic and c.dq_descending):
-        return 0
-    return 1 if -(-seqlen_k // c.tile_n) > sms else 0
+    key_tiles = -(-seqlen_k // c.tile_n)
+    if c.deterministic:
+        reverse = c.dq_descending and key_tiles > sms
+        return int(KeyTileOrder.REVERSED if reverse else KeyTileOrder.NATURAL)
+    if c.window_right is not None and sms < key_tiles * groups * batch <= OUTERMOST_MAX_CTAS_PER_SM * sms:
+        return int(KeyTileOrder.OUTERMOST)
+    return int(KeyTileOrder.NATURAL)
 
 
 def sink_gradient(sinks, lse_log2, dpsum):

@@ -80,10 +80,10 @@ def _fake_extras(spec: AttentionSpec, backward: bool = False) -> list[Any]:
 
 def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the backward's (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum,
-    lse_log2, dq_order, dk_accum, dv_accum, head_splits, key_tiles_reversed, *extras, stream): the
+    lse_log2, dq_order, dk_accum, dv_accum, head_splits, key_tile_order, *extras, stream): the
     workspaces compact
     fp32 (dq_order int32; planner.backward_workspace_shapes), their padded head dims and the
-    semaphores' warpgroups static; head_splits and key_tiles_reversed run-time Int32s."""
+    semaphores' warpgroups static; head_splits and key_tile_order run-time Int32s."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream

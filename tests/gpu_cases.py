@@ -293,6 +293,8 @@ AUTOGRAD_CASES = (
     "expression-score",
     "t5-relative-bias",
     "d128-alibi-train-gqa2",
+    "deepseek-style",
+    "gemma2-local",
 )  # backward_specs run through autograd (prefix lengths and cu_seqlens through the backward op too)
 BACKWARD_SHAPES = [(1, 1, 1), (3, 17, 17), (1, 1000, 1000), (2, 300, 1000), (1, 1000, 300), (1, 4097, 4097)]
 
@@ -312,6 +314,15 @@ def backward_specs() -> dict[str, AttentionSpec]:
     cases["d128-dv64"] = AttentionSpec(head_dim=128, head_dim_v=64, qhead_per_kvhead=2)
     cases["d80-scale"] = AttentionSpec(head_dim=80, softmax_scale=0.2, causal=True)
     cases["d128-lse"] = AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, return_lse=True)
+    # head dims past 128: dK and dV split by head-dim columns (dkv_split n): DeepSeek's 192/128
+    # with its LSE, 192/192, d256 dense and causal GQA 4, Gemma 2's local layers (d256, soft cap,
+    # window, GQA 2), an odd width past 128
+    cases["deepseek-style"] = load_spec(SPECS_DIR / "deepseek-style.yaml")
+    cases["d192-dense"] = AttentionSpec(head_dim=192)
+    cases["d256-gqa1-dense"] = AttentionSpec(head_dim=256)
+    cases["d256-gqa4-causal"] = AttentionSpec(head_dim=256, qhead_per_kvhead=4, causal=True)
+    cases["gemma2-local"] = load_spec(SPECS_DIR / "gemma2-local.yaml")
+    cases["d144-dv240-window"] = AttentionSpec(head_dim=144, head_dim_v=240, causal=True, window_left=200)
     # score modifiers: their derivative with respect to the score comes from the expression
     cases["d128-alibi-gqa2-causal"] = AttentionSpec(
         head_dim=128, qhead_per_kvhead=2, causal=True, score_mod={"kind": "alibi"}
@@ -334,6 +345,9 @@ def backward_specs() -> dict[str, AttentionSpec]:
         causal=True,
         score_mod={"kind": "alibi", "slopes": "tensor", "requires_grad": True},
     )
+    cases["d256-alibi-train"] = AttentionSpec(
+        head_dim=256, causal=True, score_mod={"kind": "alibi", "slopes": "tensor", "requires_grad": True}
+    )
     cases["gpt-oss-sinks"] = load_spec(SPECS_DIR / "gpt-oss-sinks.yaml")  # d64, GQA 8, window, sinks
     cases["d128-chunked256"] = AttentionSpec(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256})
     cases["prefix-lm"] = load_spec(SPECS_DIR / "prefix-lm.yaml")  # d128, LSE, prefix lengths per batch entry
@@ -344,6 +358,7 @@ def backward_specs() -> dict[str, AttentionSpec]:
         head_dim=64, qhead_per_kvhead=2, window_left=100, window_right=0, mask="document"
     )
     cases["docs-d96-dense"] = AttentionSpec(head_dim=96, mask="document", return_lse=True)
+    cases["docs-d256-causal"] = AttentionSpec(head_dim=256, qhead_per_kvhead=2, causal=True, mask="document")
     # expression masks (block skipping from the backward's block mask): sink keys and a window
     # beside causal bounds, one read per query head (GQA 2: a KV head walks its group's union),
     # one read per batch entry from an aux tensor
@@ -365,7 +380,8 @@ def backward_specs() -> dict[str, AttentionSpec]:
 
 
 # the backward cases that also run deterministic (dense, causal, GQA, windows with the KV heads'
-# query heads split over two CTAs, chunks, prefix-LM, sinks, documents, expression masks); the first three are also the
+# query heads split over two CTAs, chunks, prefix-LM, sinks, documents, expression masks, head dims
+# past 128, d64's 128-row steps); the first three are also the
 # specs of benchmarks/backward.py's cells d96, d128 causal and d128 gqa4 causal, whose
 # deterministic cost a run of `--deterministic` measures from the tests' cache
 DETERMINISTIC_CASES = (
@@ -381,4 +397,7 @@ DETERMINISTIC_CASES = (
     "docs-window-gqa2",
     "streaming-llm",
     "expr-per-head-gqa2",
+    "d256-gqa4-causal",
+    "deepseek-style",
+    "d64-gqa4-dense",
 )

@@ -332,3 +332,22 @@ def test_first_call_main_prints_the_tables_and_writes_every_number(monkeypatch, 
     saved = json.loads(out.read_text())
     assert len(saved["runs"]) == 6 and saved["imports"] == [{"import_fa4gen_s": 0.3, "compiler_imported": False}]
     assert saved["environment"]["flash-attn-4"] == "4.0.0b36" and not saved["skipped"]
+
+
+def test_a_backward_plan_ab_changes_config_fields_and_reports_the_ratio(capsys):
+    """`backward.py --plan f=v,...`: the planner's backward plan with those fields changed (a name
+    that is no config field stops the run), reported per cell as changed / default."""
+    import backward
+
+    from fa4gen.spec import AttentionSpec
+
+    plan = backward._changed_plan(AttentionSpec(head_dim=64), "tile_m=128,dq_split=m")
+    assert (plan.config.tile_m, plan.config.dq_split, plan.config.q_stages) == (128, "m", 2)
+    with pytest.raises(SystemExit, match="'tile' is not a backward config field"):
+        backward._changed_plan(AttentionSpec(head_dim=64), "tile=128")
+    row = {"name": "d64", "seqlen": 4096, "batch": 4, "label": "tile_m=128"}
+    rows = [{**row, "fa4gen": {"bwd_tflops": 400.0}, "alternative": {"bwd_tflops": 440.0}}]
+    backward._report_alternative(rows)
+    out = capsys.readouterr().out
+    assert "| d64 | 4096 | 4 | 400 | 440 | 1.10x |" in out
+    assert "tile_m=128 / default: min 1.10x, geometric mean 1.10x over 1 cells" in out

@@ -150,8 +150,11 @@ def test_plan_and_emit_the_backward(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert result.stdout == fa4gen.emit(spec, backward_plan(spec)).source
     assert "HopperAttentionBackward(CONFIG" in result.stdout
-    wide = write_spec(tmp_path, "head_dim: 256\n")
-    assert_one_line_error(run("plan", wide, "--backward"), "head_dim=256")
+    refused = write_spec(
+        tmp_path,
+        "head_dim: 64\ndeterministic: true\nscore_mod: {kind: relative_bias, max_distance: 8, requires_grad: true}\n",
+    )
+    assert_one_line_error(run("plan", refused, "--backward"), "deterministic: true with trainable tensors")
 
 
 def test_emit_to_stdout_and_file(tmp_path: Path) -> None:

@@ -93,6 +93,30 @@ def test_deterministic_dk_dv():
         assert torch.equal(again[1], first[1]) and torch.equal(again[2], first[2])
 
 
+@pytest.mark.parametrize("name", ["d128-gqa4-causal", "d256-gqa4-causal"])
+def test_heaviest_key_tiles_first_matches_the_reference(name):
+    """A causal GQA backward with one to eight CTAs per SM launches key tile 0 of every (KV head,
+    batch) first (fa4gen.backward.key_tile_order): its gradients against the reference on such a
+    shape, into NaN-filled buffers."""
+    import torch
+
+    from fa4gen.backward import head_splits, key_tile_order
+    from fa4gen.kernels.sm90.bwd_config import KeyTileOrder
+    from fa4gen.runtime import multiprocessor_count
+
+    spec = CASES[name]
+    q, k, v, dout, args = _inputs(spec, 4, 2048, 2048, seed=23)
+    backward = fa4gen.compile_backward(spec)
+    sms = multiprocessor_count(q.device)
+    splits = head_splits(backward.plan, 4, KV_HEADS, 2048, sms)
+    assert key_tile_order(backward.plan, 4, KV_HEADS * splits, 2048, sms) == KeyTileOrder.OUTERMOST
+    out, lse = fa4gen.compile(training_spec(spec))(q, k, v, **args)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    result = backward(q, k, v, out, dout, lse, dq=grads[0], dk=grads[1], dv=grads[2], **args)
+    torch.cuda.synchronize()
+    assert_gradients_close(spec, q, k, v, dout, result, args=args)
+
+
 @pytest.mark.parametrize(
     "shape",
     [(2, 1000, 1000), (4, 4096, 4096), (1, 300, 2000), (1, 300, 17000)],

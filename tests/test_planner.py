@@ -1083,7 +1083,7 @@ def test_backward_plans_every_supported_head_dim_and_mask():
     from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
     from fa4gen.planner import backward_plan
 
-    for d in range(8, 129, 8):
+    for d in range(8, 257, 8):
         masks = (
             {},
             {"causal": True},
@@ -1096,7 +1096,11 @@ def test_backward_plans_every_supported_head_dim_and_mask():
             p = backward_plan(AttentionSpec(head_dim=d, qhead_per_kvhead=4, **mask))
             assert p.kernel == "HopperAttentionBackward" and p.is_backward
             assert bwd_config_problem(p.config) == ""
-            assert p.config.tile_n == 128 and p.config.head_dim_padded % 16 == 0
+            # past d128 the warpgroups share 64 keys, dK and dV split by head-dim columns
+            assert (p.config.tile_n, p.config.dkv_split) == ((128, "m") if d <= 128 else (64, "n"))
+            # 128 query rows only where nothing per score needs registers: d <= 64 without a mask
+            assert (p.config.tile_m, p.config.dq_split) == ((128, "m") if d <= 64 and not mask else (64, "n"))
+            assert p.config.head_dim_padded % 16 == 0
             assert all(p.reasons.get(name) for name in type(p.config).model_fields), p.reasons
             assert Plan.model_validate_json(p.model_dump_json()) == p
 
@@ -1104,8 +1108,6 @@ def test_backward_plans_every_supported_head_dim_and_mask():
 @pytest.mark.parametrize(
     "fields,named",
     [
-        ({"head_dim": 192, "head_dim_v": 128}, "head_dim=192"),
-        ({"head_dim": 256}, "head_dim=256"),
         (
             {
                 "deterministic": True,
@@ -1141,6 +1143,10 @@ def test_backward_config_check_names_what_is_wrong():
     for needle, update in cases.items():
         problem = bwd_config_problem(good.model_copy(update=update))
         assert needle in problem, (update, problem)
+    wide = backward_plan(AttentionSpec(head_dim=256, causal=True)).config
+    assert "shared memory" in bwd_config_problem(wide.model_copy(update={"q_stages": 2}))
+    one_tile = {"dkv_split": "m", "head_dim": 192, "head_dim_padded": 192, "head_dim_v": 128, "head_dim_v_padded": 128}
+    assert "accumulators take" in bwd_config_problem(wide.model_copy(update=one_tile))
     d64 = {"tile_m": 128, "dq_split": "m", "head_dim": 64, "head_dim_padded": 64, "head_dim_v": 64}
     assert bwd_config_problem(good.model_copy(update={**d64, "head_dim_v_padded": 64})) == ""
 
@@ -1195,18 +1201,29 @@ def test_backward_workspaces_have_the_static_extents_the_kernel_was_traced_with(
     assert isinstance(traced[3].shape[3], int), "the semaphores' warpgroups are static"
 
 
-def test_a_deterministic_causal_backward_launches_highest_key_tiles_first_only_past_the_sm_count():
-    """Descending dQ turns (a right bound) launch heaviest first while one (batch, head)'s key
-    tiles fit on the GPU at once, highest first past that (each CTA then waits only on CTAs
-    launched before it); ascending turns and non-deterministic backwards never reverse."""
-    from fa4gen.backward import key_tiles_reversed
+def test_key_tiles_launch_heaviest_first_where_it_is_safe():
+    """Deterministic with descending dQ turns (a right bound): heaviest first while one (batch,
+    head)'s key tiles fit on the GPU at once, highest first past that (each CTA then waits only on
+    CTAs launched before it); ascending turns never reverse. Without deterministic mode, a right
+    bound with one to eight CTAs per SM launches key tile 0 of every (KV head, batch) first;
+    nothing else changes the order."""
+    from fa4gen.backward import key_tile_order
+    from fa4gen.kernels.sm90.bwd_config import KeyTileOrder
     from fa4gen.planner import backward_plan
 
+    natural, reversed_, outermost = (int(o) for o in KeyTileOrder)
     causal = backward_plan(AttentionSpec(head_dim=128, causal=True, deterministic=True))
     assert causal.config.dq_descending
-    assert key_tiles_reversed(causal, 128 * 132, 132) == 0  # 132 key tiles on 132 SMs
-    assert key_tiles_reversed(causal, 128 * 132 + 1, 132) == 1
+    assert key_tile_order(causal, 4, 16, 128 * 132, 132) == natural  # 132 key tiles on 132 SMs
+    assert key_tile_order(causal, 4, 16, 128 * 132 + 1, 132) == reversed_
     dense = backward_plan(AttentionSpec(head_dim=128, deterministic=True))
-    assert not dense.config.dq_descending and key_tiles_reversed(dense, 1 << 20, 132) == 0
-    free = backward_plan(AttentionSpec(head_dim=128, causal=True))
-    assert key_tiles_reversed(free, 1 << 20, 132) == 0
+    assert not dense.config.dq_descending and key_tile_order(dense, 4, 16, 1 << 20, 132) == natural
+    free = backward_plan(AttentionSpec(head_dim=128, causal=True, qhead_per_kvhead=8))
+    assert key_tile_order(free, 4, 4, 4096, 132) == outermost  # 32 key tiles x 16 CTAs: 512
+    assert key_tile_order(free, 1, 4, 4096, 132) == natural  # 128 CTAs: one wave
+    assert key_tile_order(free, 4, 16, 4096, 132) == natural  # 2048 CTAs: short ones, L2 first
+    assert key_tile_order(free, 4, 8, 4096, 132) == outermost  # 1024 <= 8 per SM
+    window = backward_plan(AttentionSpec(head_dim=128, window_left=256, window_right=256))
+    assert key_tile_order(window, 4, 8, 4096, 132) == outermost
+    for spec in (AttentionSpec(head_dim=128), AttentionSpec(head_dim=128, window_left=256)):
+        assert key_tile_order(backward_plan(spec), 4, 16, 1 << 20, 132) == natural

@@ -283,8 +283,11 @@ def test_training_a_spec_without_a_backward_is_one_error_before_any_compile(tmp_
     from fa4gen.cache import KernelCache
 
     cache = KernelCache(tmp_path)
-    training = api._training_factory(fa4gen.AttentionSpec(head_dim=256), Arch.SM90A, cache, True)
-    with pytest.raises(ValueError, match="head_dim=256") as error:
+    spec = fa4gen.AttentionSpec(
+        head_dim=64, deterministic=True, score_mod={"kind": "relative_bias", "max_distance": 8, "requires_grad": True}
+    )
+    training = api._training_factory(spec, Arch.SM90A, cache, True)
+    with pytest.raises(ValueError, match="deterministic: true with trainable tensors") as error:
         training()
     assert "\n" not in str(error.value)
     assert not list(cache.entries())

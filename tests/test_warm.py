@@ -322,12 +322,16 @@ def test_warm_training_caches_what_training_runs(tmp_path: Path) -> None:
 
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "causal.yaml").write_text("head_dim: 64\ncausal: true\n")
-    (tmp_path / "specs" / "wide.yaml").write_text("head_dim: 256\n")
+    refused = (
+        "head_dim: 64\ndeterministic: true\nscore_mod: {kind: relative_bias, max_distance: 8, requires_grad: true}\n"
+    )
+    (tmp_path / "specs" / "refused.yaml").write_text(refused)
     cache = tmp_path / "cache"
     result = cli("warm", "specs", "--training", "--arch", "sm_90a", "-j", "2", "--cache-dir", cache, cwd=tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr  # the wide spec has no backward
-    # both specs' forwards and the causal one's training kernels compile; wide's training fails
-    assert "3 compiled, 0 cached, 1 failed" in result.stdout and "head_dim=256" in result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr  # the refused spec has no backward
+    # both specs' forwards and the causal one's training kernels compile; refused's training fails
+    assert "3 compiled, 0 cached, 1 failed" in result.stdout
+    assert "deterministic: true with trainable tensors" in result.stdout
     spec = fa4gen.load_spec(tmp_path / "specs" / "causal.yaml")
     forward, backward = build_training(spec, "sm_90a", cache_dir=cache, no_compile=True)
     assert backward.plan.is_backward and not backward.built_now and not forward.any_built_now

@@ -14,7 +14,12 @@ from fa4gen.expr import ExpressionError
 from fa4gen.expr_grad import aux_gradient, derivative
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
 from fa4gen.planner.model import Plan
-from fa4gen.planner.sm90_tables import SM90_BWD_REGISTER_SPLIT, SM90_BWD_TILES
+from fa4gen.planner.sm90_tables import (
+    SM90_BWD_PLAIN_WIDE_ROWS,
+    SM90_BWD_REGISTER_SPLIT,
+    SM90_BWD_TILES,
+    BwdTileRow,
+)
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import lower
 
@@ -45,10 +50,19 @@ def backward_problem(spec: AttentionSpec) -> str:
             aux_gradient(lowered.score, extra.name)
         except ExpressionError as exc:
             return f"{extra.name}: no gradient: {str(exc).splitlines()[0]}"
-    width = max(_round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE))
-    if width > SM90_BWD_TILES[-1].max_head_dim:
-        return f"head_dim={spec.head_dim}, head_dim_v={spec.dv}: the backward supports head dims up to 128 so far"
     return ""
+
+
+def _tile_row(width: int, variant: dict) -> BwdTileRow:
+    """The schedule's row for the padded head dim ``width``: the plain rows' own where the variant
+    computes nothing per score beyond P and dS (no mask, soft cap or score modifier)."""
+    masked = ("window_left", "window_right", "chunk", "softcap")
+    plain = all(variant[name] is None for name in masked) and not any(
+        variant[name] for name in ("prefix_lm", "document", "expression_mask", "score_mod")
+    )
+    if plain and width <= SM90_BWD_PLAIN_WIDE_ROWS.max_head_dim:
+        return SM90_BWD_PLAIN_WIDE_ROWS
+    return next(r for r in SM90_BWD_TILES if width <= r.max_head_dim)
 
 
 def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
@@ -56,7 +70,6 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
     if problem := backward_problem(spec):
         raise ValueError(f"no backward for this spec ({spec.summary()}): {problem}")
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
-    row = next(r for r in SM90_BWD_TILES if max(dqk, dv) <= r.max_head_dim)
     producer_regs, consumer_regs = SM90_BWD_REGISTER_SPLIT
     lowered = lower(spec)
     variant = dict(
@@ -78,6 +91,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         aux_grads=tuple(extra.name for extra in lowered.trainable),
         deterministic=spec.deterministic,
     )
+    row = _tile_row(max(dqk, dv), variant)
     config = Sm90BwdConfig(
         **variant,
         head_dim_padded=dqk,
@@ -89,6 +103,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         dq_split=row.dq_split,
+        dkv_split=row.dkv_split,
     )
     problem = bwd_config_problem(config)
     assert not problem, f"the backward planner made a plan that cannot run: {problem}"
@@ -101,11 +116,12 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
     why.update(
         head_dim_padded="the head dim rounded up to the MMA's K granule (16)",
         head_dim_v_padded="the head dim rounded up to the MMA's K granule (16)",
-        num_consumer_warpgroups="64 keys per consumer warpgroup, dK and dV in its registers",
+        num_consumer_warpgroups="two consumer warpgroups, dK and dV in their registers",
         tile_m=row.reason,
         q_stages=row.reason,
         dq_stages=row.reason,
         dq_split=row.reason,
+        dkv_split=row.reason,
         producer_regs="the TMA warp needs few registers; the consumers take the rest",
         consumer_regs="the TMA warp needs few registers; the consumers take the rest",
     )

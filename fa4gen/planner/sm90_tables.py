@@ -215,23 +215,61 @@ class BwdTileRow:
     max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
     tile_m: int
     dq_split: Literal["m", "n"]
+    dkv_split: Literal["m", "n"]
     q_stages: int
     dq_stages: int
     reason: str
 
 
-# 128 keys per CTA (64 per consumer warpgroup), dK and dV in registers: the accumulator budget
-# (bwd_config.bwd_accumulator_registers) caps the head dims at 128 until dK/dV split by columns.
-# 128 query rows at d64 (FA3's tile) spilled 95 registers: the LSE and dPsum of 32 columns per
-# thread ride beside S^T and dP^T (decision bwd-tiles).
+# Up to d128: 128 keys per CTA (64 per consumer warpgroup), dK and dV in registers. 128 query
+# rows at d64 (FA3's tile) spilled 95 registers: the LSE and dPsum of 32 columns per thread ride
+# beside S^T and dP^T (decision bwd-tiles). Past 128 a warpgroup's dK and dV for 64 keys outgrow
+# the accumulator budget (bwd_config.bwd_accumulator_registers): the two warpgroups share 64 keys
+# and split dK and dV by head-dim columns (FA3's d256 split); shared memory then holds one dQ
+# buffer, and one Q/dO buffer at d256 (decision bwd-wide-heads).
 SM90_BWD_TILES = (
     BwdTileRow(
         128,
         64,
         "n",
+        "m",
         2,
         2,
         "64 query rows per step, dQ split by head dim; Q/dO and dQ double-buffered (decision bwd-tiles)",
     ),
+    BwdTileRow(
+        192,
+        64,
+        "n",
+        "n",
+        2,
+        1,
+        "64 keys shared by both warpgroups, dK/dV split by head dim; Q/dO double-buffered, one dQ buffer "
+        "(two do not fit in shared memory; decision bwd-wide-heads)",
+    ),
+    BwdTileRow(
+        256,
+        64,
+        "n",
+        "n",
+        1,
+        1,
+        "64 keys shared by both warpgroups, dK/dV split by head dim; one Q/dO and one dQ buffer (the most "
+        "shared memory holds; decision bwd-wide-heads)",
+    ),
+)
+# 128 query rows per step (dQ split by rows, the rows' LSE and dPsum read per S^T row) where a
+# d <= 64 variant computes nothing per score beyond P and dS: no mask, soft cap or score modifier.
+# Measured 1.03-1.12x without a mask; a causal one spilled 6 and measured 0.97-1.01x (decision
+# bwd-tiles).
+SM90_BWD_PLAIN_WIDE_ROWS = BwdTileRow(
+    64,
+    128,
+    "m",
+    "m",
+    2,
+    2,
+    "128 query rows per step (dQ split by rows): a d <= 64 variant with no mask, soft cap or score "
+    "modifier has the registers (decision bwd-tiles)",
 )
 SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split

@@ -50,6 +50,7 @@ CONFIG = Sm90BwdConfig(
     producer_regs=24,
     consumer_regs=240,
     dq_split='n',
+    dkv_split='m',
 )
 
 
@@ -60,8 +61,8 @@ def make_kernel() -> HopperAttentionBackward:
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, do: cute.Tensor, lse: cute.Tensor,
           dlse: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, dq_accum: cute.Tensor, dpsum: cute.Tensor,
-          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, key_tiles_reversed: Int32,
+          lse_log2: cute.Tensor, dq_order: cute.Tensor, dk_accum: cute.Tensor, dv_accum: cute.Tensor, head_splits: Int32, key_tile_order: Int32,
           stream: cuda.CUstream):
     """The exported function: the preprocess, main and postprocess launches on ``stream``, the
     variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, key_tiles_reversed, (), stream)
+    make_kernel()(q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum, dpsum, lse_log2, dq_order, dk_accum, dv_accum, head_splits, key_tile_order, (), stream)

@@ -4,13 +4,14 @@ Three launches on one stream (``__call__``): the preprocess (bwd_prepost: dPsum 
 the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel below, and the
 postprocess (dQ scaled and rounded).
 
-Main kernel: one CTA per (key tile of 64 keys per consumer warpgroup, KV head, batch). Warpgroup
-0 is the producer (one warp: TMA loads of K and V once, then per step a query tile's Q and dO,
-with their rows' LSE and dPsum, into a ring of ``q_stages``); warpgroups 1..2 are consumers,
-each owning 64 keys of the tile and their dK and dV accumulators, which stay in registers over
-every step: the KV head's query heads (so GQA needs no reduction across CTAs: dK and dV are
-written once, deterministically) times the query tiles that see the key tile (from the mask's
-structure, a table of packed documents' query rows, or an expression mask's backward block mask). A step
+Main kernel: one CTA per (key tile, KV head, batch). Warpgroup 0 is the producer (one warp: TMA
+loads of K and V once, then per step a query tile's Q and dO, with their rows' LSE and dPsum,
+into a ring of ``q_stages``); warpgroups 1..2 are consumers, each owning its part of the tile's
+dK and dV (64 keys each of a 128-key tile up to d128; past it, half the head-dim columns of a
+64-key tile: Sm90BwdConfig.dkv_split), which stay in registers over every step: the KV head's
+query heads (so GQA needs no reduction across CTAs: dK and dV are written once,
+deterministically) times the query tiles that see the key tile (from the mask's structure, a
+table of packed documents' query rows, or an expression mask's backward block mask). A step
 (bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
 registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
 accumulator in global memory (the only cross-CTA sum) that runs on during the next step; a
@@ -37,12 +38,14 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.common.variant import VariantArgs
-from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem
+from fa4gen.kernels.sm90.bwd_config import KeyTileOrder, Sm90BwdConfig, bwd_config_problem
 from fa4gen.kernels.sm90.bwd_prepost import Sm90BwdPrePost
 from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
+
+
 PREPOST_THREADS = WARPGROUP_THREADS
 ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 
@@ -106,7 +109,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
         mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
         head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads
-        key_tiles_reversed: Int32,  # 1: the grid's key tiles launch highest first (deterministic)
+        key_tile_order: Int32,  # the launch order of key tiles (KeyTileOrder; backward.key_tile_order)
         extras: tuple,
         stream: cuda.CUstream,
     ):
@@ -115,6 +118,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tmas = self._tma_atoms(mQ, mK, mV, mdO, mdQaccum, mdPsum, mLSElog2, layouts)
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
         rows = self.tile_m * self.q_stages
+        # P^T beside dS^T, with dkv_split n only (no bytes otherwise)
+        p_elems = cute.cosize(sdS_layout) if self.cfg.dkv_split == "n" else 0
 
         @cute.struct
         class SharedStorage:
@@ -126,6 +131,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, rows], ROW_ALIGN]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, rows], ROW_ALIGN]
@@ -136,9 +142,15 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder).launch(
             grid=(m_blocks, heads_q, batches), block=[PREPOST_THREADS, 1, 1], stream=stream
         )
-        grid_order = (head_splits, key_tiles_reversed)
+        grid_order = (head_splits, key_tile_order)
+        key_tiles, groups = cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits
+        outer = key_tile_order == int(KeyTileOrder.OUTERMOST)
         self.kernel(*tmas, mdQorder, (mdK, mdV, mdKaccum, mdVaccum), grid_order, extras, *layouts).launch(
-            grid=(cute.ceil_div(mK.shape[1], self.tile_n), mK.shape[2] * head_splits, batches),
+            grid=(
+                Int32(cutlass.select_(outer, groups * batches, key_tiles)),
+                Int32(cutlass.select_(outer, key_tiles, groups)),
+                Int32(cutlass.select_(outer, 1, batches)),
+            ),
             block=[self.threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
@@ -188,13 +200,16 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
     def _smem_layouts(self, dtype):
-        """Q and dO: read as S^T / dP^T's B operand and, transposed, dK / dV's; K: S^T's A
-        operand and, transposed, dQ's B (split over the warpgroups by head dim with dq_split n);
-        V: dP^T's A; dS: dQ's A, written transposed; dQ's fp32 staging (``_dq_layout``)."""
+        """Q and dO: read as S^T / dP^T's B operand and, transposed, dK / dV's (split over the
+        warpgroups by head dim with dkv_split n); K: S^T's A operand and, transposed, dQ's B
+        (split by head dim with dq_split n); V: dP^T's A; dS (and P with dkv_split n): dQ's A,
+        written transposed, and transposed dK's (dV's) A with dkv_split n; dQ's fp32 staging
+        (``_dq_layout``)."""
         k_major = self.dqk // self.num_consumers if self.cfg.dq_split == "n" else self.dqk
+        ways = self.cfg.dkv_ways
         return (
-            self._smem_layout(dtype, self.tile_m, self.dqk, self.q_stages, self.dqk),
-            self._smem_layout(dtype, self.tile_m, self.dv, self.q_stages, self.dv),
+            self._smem_layout(dtype, self.tile_m, self.dqk, self.q_stages, self.dqk // ways),
+            self._smem_layout(dtype, self.tile_m, self.dv, self.q_stages, self.dv // ways),
             self._smem_layout(dtype, self.tile_n, self.dqk, 1, k_major),
             self._smem_layout(dtype, self.tile_n, self.dv, 1, self.dv),
             self._smem_layout(dtype, self.tile_m, self.tile_n, 1, self.tile_n),
@@ -238,11 +253,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        n_block, split_head, batch = cute.arch.block_idx()
-        head_splits, key_tiles_reversed = grid_order
-        if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_descending):
-            if key_tiles_reversed != 0:  # (the runtime's choice: backward.key_tiles_reversed)
-                n_block = cute.ceil_div(tma_k[1].shape[0], self.tile_n) - 1 - n_block
+        head_splits, key_tile_order = grid_order
+        n_block, split_head, batch = self._grid_coords(key_tile_order, head_splits, tma_k[1].shape)
         # a KV head's query heads may be shared out over head_splits CTAs (the runtime's choice,
         # where one CTA per KV head leaves SMs idle); their dK and dV partials are then summed
         kv_head, split = split_head // head_splits, split_head % head_splits
@@ -255,6 +267,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             ds=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            p=storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if self.cfg.dkv_split == "n" else None,
             dq=storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
             lse=storage.sLSE.get_tensor(rows),
             dpsum=storage.sdPsum.get_tensor(rows),
@@ -285,6 +298,20 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
             self.consume(f, smem, pipes, where, (tma_dq, dq_order), (seqlen_q, seqlen_k, args))
             self.store_dk_dv(f, outputs, head_splits, (n_block, kv_head, batch), seqlen_k)
+
+    @cute.jit
+    def _grid_coords(self, key_tile_order: Int32, head_splits: Int32, k_shape):
+        """(key tile, KV head x head split, batch) of this CTA under the launch order of key tiles
+        (``k_shape``: the keys' (Sk, D, Hkv, B))."""
+        x, y, z = cute.arch.block_idx()
+        n_block, split_head, batch = x, y, z
+        if key_tile_order == int(KeyTileOrder.OUTERMOST):
+            groups = k_shape[2] * head_splits
+            n_block, split_head, batch = y, x % groups, x // groups
+        if cutlass.const_expr(self.cfg.deterministic and self.cfg.dq_descending):
+            if key_tile_order == int(KeyTileOrder.REVERSED):
+                n_block = cute.ceil_div(k_shape[0], self.tile_n) - 1 - n_block
+        return n_block, split_head, batch
 
     @cute.jit
     def _mask_coords(self, n_block: Int32, kv_head: Int32, batch: Int32, args):
@@ -385,12 +412,16 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             m_block = self.query_tile(where, step % count, args)
             at = (n_block, head, batch, m_block, self._exact(where, step % count, args))
             self.scores_and_grads(f, smem, pipe_q, pipe_do, state, at, sizes)
-            acc_dq = self.products(f, pipe_do, state)
+            if cutlass.const_expr(self.cfg.dkv_split == "n"):
+                acc_dq = self.products_by_columns(f, pipe_q, pipe_do, state)
+            else:
+                acc_dq = self.products(f, pipe_do, state)
             order = None
             if cutlass.const_expr(self.cfg.deterministic):
                 order = (semaphores, self._step_tile(where, step - 1, args), (where, step % count), sizes)
             self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages, order)
-            self.dk_done(pipe_q, state)
+            if cutlass.const_expr(self.cfg.dkv_split == "m"):
+                self.dk_done(pipe_q, state)
             state.advance()
         last = None
         if cutlass.const_expr(self.cfg.deterministic):

@@ -11,6 +11,7 @@ accumulator, in a fixed key-tile order when deterministic), and the postprocess 
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -19,9 +20,19 @@ from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
 
 DqSplit = Literal["m", "n"]
+DkvSplit = Literal["m", "n"]
 # registers a consumer thread needs besides its accumulators (addresses, loop state, the LSE
 # and dPsum of its columns): FA3's budget for 240-register consumers is 216 for accumulators
 ACCUMULATOR_HEADROOM = 24
+
+
+class KeyTileOrder(enum.IntEnum):
+    """How the main kernel's grid launches the key tiles of each (KV head, batch): a run-time
+    argument (fa4gen.backward.key_tile_order), so one kernel serves every order."""
+
+    NATURAL = 0  # a (KV head, batch)'s key tiles one after another, lowest first
+    REVERSED = 1  # the same, highest first (a deterministic backward past the SM count)
+    OUTERMOST = 2  # key tile 0 of every (KV head, batch), then key tile 1, ...
 
 
 class Sm90BwdConfig(BaseModel):
@@ -57,17 +68,27 @@ class Sm90BwdConfig(BaseModel):
     # the schedule (from the planner)
     head_dim_padded: int
     head_dim_v_padded: int
-    num_consumer_warpgroups: int  # each owns 64 keys of the CTA's key tile
+    num_consumer_warpgroups: int
     tile_m: int  # query rows per step
     q_stages: int  # Q and dO buffers (with their rows' LSE and dPsum): the next step's load during this one
     dq_stages: int  # dQ staging buffers: a step's TMA reduce-add runs on while the next computes
     producer_regs: int
     consumer_regs: int
     dq_split: DqSplit  # dQ = dS.K split over the warpgroups by query rows (m) or head dim (n)
+    # dK and dV split over the warpgroups by keys (m: each owns 64 keys of the CTA's tile, P^T and
+    # dS^T feed their MMAs from registers) or by head-dim columns (n: the warpgroups share 64 keys
+    # and split S^T by query rows; P^T and dS^T go through shared memory; head dims past 128). With
+    # two warpgroups, the multiples of 16 checked below make every half a multiple of 8 (wgmma's N)
+    dkv_split: DkvSplit
 
     @property
     def tile_n(self) -> int:
-        return WGMMA_M * self.num_consumer_warpgroups
+        return WGMMA_M * (self.num_consumer_warpgroups if self.dkv_split == "m" else 1)
+
+    @property
+    def dkv_ways(self) -> int:
+        """Warpgroups sharing each key's dK and dV (and S^T's tile, by query rows)."""
+        return self.num_consumer_warpgroups if self.dkv_split == "n" else 1
 
     @property
     def dq_descending(self) -> bool:
@@ -80,19 +101,20 @@ class Sm90BwdConfig(BaseModel):
 
 def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
     """K and V (one tile each), Q and dO (q_stages each) with their rows' LSE and dPsum, dS (one
-    tile), dQ's fp32 staging (dq_stages tiles)."""
+    tile, and P^T's beside it with dkv_split n), dQ's fp32 staging (dq_stages tiles)."""
     k_v = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     q_do = c.q_stages * c.tile_m * (c.head_dim_padded + c.head_dim_v_padded)
-    ds = c.tile_m * c.tile_n
+    ds = c.tile_m * c.tile_n * (2 if c.dkv_split == "n" else 1)
     fp32 = c.q_stages * 2 * c.tile_m + c.dq_stages * c.tile_m * c.head_dim_padded
     return (k_v + q_do + ds) * ELEMENT_BYTES + fp32 * 4 + SMEM_RESERVE_BYTES
 
 
 def bwd_accumulator_registers(c: Sm90BwdConfig) -> int:
-    """fp32 registers per consumer thread at the peak: dK and dV (its 64 keys x head dims), with
-    either S and dP (64 keys x tile_m) or dQ (its share of tile_m x head_dim) beside them."""
-    dk_dv = WGMMA_M * (c.head_dim_padded + c.head_dim_v_padded) // WARPGROUP_THREADS
-    s_dp = 2 * WGMMA_M * c.tile_m // WARPGROUP_THREADS
+    """fp32 registers per consumer thread at the peak: dK and dV (its 64 keys x its head-dim
+    columns), with either S and dP (64 keys x its query rows) or dQ (its share of tile_m x
+    head_dim) beside them."""
+    dk_dv = WGMMA_M * (c.head_dim_padded + c.head_dim_v_padded) // (WARPGROUP_THREADS * c.dkv_ways)
+    s_dp = 2 * WGMMA_M * c.tile_m // (WARPGROUP_THREADS * c.dkv_ways)
     dq = c.tile_m * c.head_dim_padded // (WARPGROUP_THREADS * c.num_consumer_warpgroups)
     return dk_dv + max(s_dp, dq)
 
@@ -131,6 +153,6 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
         return (
             f"its accumulators take {accumulators} registers per thread, over the "
             f"{c.consumer_regs - ACCUMULATOR_HEADROOM} a {c.consumer_regs}-register consumer has for them "
-            "(head dims past 128 need the dK/dV split over warpgroups, not written yet)"
+            "(dkv_split n halves dK and dV per thread)"
         )
     return ""

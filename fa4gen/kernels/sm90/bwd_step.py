@@ -2,13 +2,16 @@
 a query tile of one query head against the CTA's key tile, every MMA spanning both warpgroups.
 
 1. S^T = K.Q^T and dP^T = V.dO^T (keys on the MMA's M side, so the probabilities are already
-   the A operand of dV's product: FA3/FA4's SdP_swapAB);
+   the A operand of dV's product: FA3/FA4's SdP_swapAB); split over the warpgroups by keys, or,
+   with dkv_split n (head dims past 128: both warpgroups share 64 keys), by query rows;
 2. P^T = exp2(S^T * scale_log2 - LSE_log2) with the mask, dS^T = P^T * (dP^T - dPsum); with a
    soft cap or a score modifier, P^T from the modified score and dS^T times its derivative
    (the modifier's ``score_grad``, derived from its expression by fa4gen.expr_grad); an
    expression mask zeroes both where ``mask_mod`` hides a pair (in partly visible tiles only);
    the rows' LSE and dPsum come from shared memory, loaded with Q and dO;
-3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers;
+3. dV += P^T.dO and dK += dS^T.Q, both A operands from registers; with dkv_split n each
+   warpgroup's product covers its half of the head-dim columns over every query row, so P^T and
+   dS^T come from shared memory, where both warpgroups wrote their rows;
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
    global memory by one TMA reduce-add per warpgroup, which runs on during the next step;
@@ -54,6 +57,7 @@ class BwdSmem:
     k: Any  # (tile_n, D, 1)
     v: Any  # (tile_n, Dv, 1)
     ds: Any  # (tile_m, tile_n, 1)
+    p: Any  # (tile_m, tile_n, 1): P, with dkv_split n only (else None)
     dq: Any  # (tile_m, D, dq_stages) fp32
     lse: Any  # (tile_m, q_stages) fp32, log2 units
     dpsum: Any  # (tile_m, q_stages) fp32
@@ -78,11 +82,15 @@ class BwdFragments:
     tKrQ: Any  # dK: Q^T (B)
     tQrdS: Any  # dQ: dS (A) and K^T (B)
     tQrK: Any
-    p: Any  # P^T and dS^T as 16-bit A operands
+    p: Any  # P^T and dS^T rounded to 16 bits (in registers)
     ds: Any
-    ds_copy: Any  # stmatrix of dS^T into sdS: (copy, its source view of ds, its targets)
-    ds_source: Any
+    p_operand: Any  # dV's and dK's A operands: p and ds (dkv_split m) or their shared-memory copies (n)
+    ds_operand: Any
+    ds_copy: Any  # stmatrix of dS^T into sdS (and P^T into sP with dkv_split n): the copy, its
+    ds_source: Any  # source views of ds and p, their targets
     ds_target: Any
+    p_source: Any
+    p_target: Any
     acc_dk: Any
     acc_dv: Any
     coords_s: Any  # (key, query) of each S^T element in the tile
@@ -109,11 +117,19 @@ class Sm90BwdStep:
         """The MMAs over both consumer warpgroups (``ctidx``: 0..255) and this thread's parts."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         W = self.num_consumers
-        keys = (W, 1, 1)  # the key rows split over the warpgroups
-        sdp_first = self._mma(K, K, keys, (WGMMA_M, self.tile_m), False)
+        by_cols = self.cfg.dkv_split == "n"
+        if cutlass.const_expr(by_cols):
+            # the 64 keys shared: S^T split by query rows, dK and dV by head-dim columns, their
+            # A operands (P^T, dS^T) read transposed from shared memory
+            split, sdp_tiler, a_major = (1, W, 1), (WGMMA_M, self.tile_m // W), MN
+            dv_tiler, dk_tiler = (WGMMA_M, self.dv // W), (WGMMA_M, self.dqk // W)
+        else:  # the key rows split over the warpgroups
+            split, sdp_tiler, a_major = (W, 1, 1), (WGMMA_M, self.tile_m), K
+            dv_tiler, dk_tiler = (WGMMA_M, self.dv), (WGMMA_M, self.dqk)
+        sdp_first = self._mma(K, K, split, sdp_tiler, False)
         thr_sdp = sdp_first.get_slice(ctidx)
-        dkv = self._mma(K, MN, keys, (WGMMA_M, self.dv), True, a_registers=True)
-        dk = self._mma(K, MN, keys, (WGMMA_M, self.dqk), True, a_registers=True)
+        dkv = self._mma(a_major, MN, split, dv_tiler, True, a_registers=not by_cols)
+        dk = self._mma(a_major, MN, split, dk_tiler, True, a_registers=not by_cols)
         thr_dv, thr_dk = dkv.get_slice(ctidx), dk.get_slice(ctidx)
         if cutlass.const_expr(self.cfg.dq_split == "m"):
             dq_atoms, dq_tiler = (W, 1, 1), (WGMMA_M, self.dqk)
@@ -131,14 +147,26 @@ class Sm90BwdStep:
         )
         thr_copy = ds_copy.get_slice(ctidx)
         s_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+        p_target, p_source = None, None
+        if cutlass.const_expr(by_cols):
+            p = cute.make_rmem_tensor(s_shape, self.dtype)
+            ds = cute.make_rmem_tensor(s_shape, self.dtype)
+            sPt = cute.make_tensor(smem.p.iterator, cute.select(smem.p.layout, mode=[1, 0, 2]))
+            p_operand = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
+            ds_operand = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
+            p_source = thr_copy.retile(p)
+            p_target = thr_copy.partition_D(sPt[None, None, 0])
+        else:
+            p = cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+            ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+            p_operand, ds_operand = p, ds
         acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.dqk)))
         acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.dv)))
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         return BwdFragments(
             sdp_first=sdp_first,
-            sdp_rest=self._mma(K, K, keys, (WGMMA_M, self.tile_m), True),
+            sdp_rest=self._mma(K, K, split, sdp_tiler, True),
             dkv=dkv,
             dk=dk,
             dq_first=dq_first,
@@ -151,11 +179,15 @@ class Sm90BwdStep:
             tKrQ=thr_dk.make_fragment_B(thr_dk.partition_B(sQt)),
             tQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(smem.ds)),
             tQrK=thr_dq.make_fragment_B(thr_dq.partition_B(sKt)),
-            p=cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype),
+            p=p,
             ds=ds,
+            p_operand=p_operand,
+            ds_operand=ds_operand,
             ds_copy=ds_copy,
             ds_source=thr_copy.retile(cute.make_tensor(ds.iterator, cute.make_layout(s_shape))),
             ds_target=thr_copy.partition_D(sdSt[None, None, 0]),
+            p_source=p_source,
+            p_target=p_target,
             acc_dk=acc_dk,
             acc_dv=acc_dv,
             coords_s=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
@@ -184,6 +216,12 @@ class Sm90BwdStep:
         acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         pipe_q.consumer_wait(state)
+        lse = None
+        if cutlass.const_expr(self.score_grad is None and self.cfg.softcap is None and self.tile_m <= WGMMA_M):
+            lse = self.column_values(
+                smem.lse, state.index, rows_cols_view(f.coords_s), rows_cols_view(acc_s)[0, None].shape
+            )
+            lse = lse.load()
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(f.tSrK, mode=[2])):
             mma = f.sdp_first if kb == 0 else f.sdp_rest
@@ -200,45 +238,63 @@ class Sm90BwdStep:
         elif cutlass.const_expr(self.cfg.softcap is not None):
             self.capped_grads(f, smem, state, scores, grads, at, sizes)
         else:
-            self.plain_grads(f, smem, state, scores, grads, at, sizes)
+            self.plain_grads(f, smem, state, scores, grads, at, sizes, lse)
         if cutlass.const_expr(self.mask_mod is not None):
             if at[4]:  # (tiles whose every pair is visible skip it: the block mask's full flag)
                 self.mask_grads(f, scores, grads, at, sizes)
         store_as_operand_a(acc_s, f.p, pinned=False)
         store_as_operand_a(acc_dp, f.ds, pinned=False)
-        # dS^T to shared memory for dQ: both warpgroups' dQ MMAs of the step before were done
-        # before its DQ_FULL barrier (stage_dq)
+        # dS^T to shared memory for dQ (and for dK, with P^T for dV, with dkv_split n): every MMA
+        # of the step before that read them was done before its DQ_FULL barrier (stage_dq)
         cute.copy(f.ds_copy, f.ds_source, f.ds_target)
+        if cutlass.const_expr(self.cfg.dkv_split == "n"):
+            cute.copy(f.ds_copy, f.p_source, f.p_target)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def visible_of_row(self, coords, r: int, at, sizes):
-        """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a vector."""
+    def visible_of_row(self, coords, r: int, at, sizes, exact: bool = False):
+        """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a
+        vector. Not ``exact`` (the score is S^T or its soft cap, finite): where only the lowest
+        query of a key is bounded, one compare against it, a padded key's moved to Sq; padded
+        query columns then pass, their P^T zero from the +inf LSE the preprocess gives them."""
         n_block, _, batch, m_block, _ = at
         seqlen_q, seqlen_k, args = sizes
         offsets = column_offsets(coords, coords[0, None].shape)
         first_col = m_block * self.tile_m + coords[0, 0][1]
         key = n_block * self.tile_n + coords[r, 0][0]
         lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-        # (the lowest query that sees a key is 0 without a right bound, chunks, a prefix or documents)
+        # (the lowest query that sees a key is 0 without a right bound, chunks, a prefix or
+        # documents; the highest is Sq - 1 without a left bound, chunks or documents)
         c = self.cfg
         starts = c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
+        ends = c.window_left is not None or c.chunk is not None or c.document
+        if cutlass.const_expr(starts and not ends and not exact):
+            lo = cutlass.select_(key < seqlen_k, lo, seqlen_q)
+            return offsets >= lo - first_col
         return visible_columns(offsets, first_col, lo, hi, starts)
 
     @cute.jit
-    def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
-        """P^T = exp2(S^T * scale_log2 - LSE) while dP^T finishes, then dS^T = P^T (dP^T - dPsum)."""
+    def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes, lse):
+        """P^T = exp2(S^T * scale_log2 - LSE) while dP^T finishes, then dS^T = P^T (dP^T - dPsum).
+        The columns' LSE and dPsum are held for the tile up to 64 query rows (``lse``: loaded
+        before the step's MMAs were issued, so the loads' latency hides behind them), read per
+        row past that (held beside 128-row S^T and dP^T they spilled: decision bwd-tiles)."""
         coords = rows_cols_view(f.coords_s)
         row_shape = scores[0, None].shape
-        lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
+        per_row = self.tile_m > WGMMA_M
         warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            if cutlass.const_expr(per_row):
+                lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
             visible = self.visible_of_row(coords, r, at, sizes)
             probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
             scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
         warpgroup.wait_group(0)
-        dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
+        if cutlass.const_expr(not per_row):
+            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            if cutlass.const_expr(per_row):
+                dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
             grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
 
     @cute.jit
@@ -295,8 +351,8 @@ class Sm90BwdStep:
                 scores[r, c] = prob
                 grads[r, c] = dvalue * slope
             # masked last, as one select per row (no branch per score): whatever the modifier
-            # gives outside the mask is dropped
-            visible = self.visible_of_row(coords, r, at, sizes)
+            # gives outside the mask (it may be infinite on padding) is dropped
+            visible = self.visible_of_row(coords, r, at, sizes, exact=True)
             scores[r, None].store(cute.where(visible, scores[r, None].load(), Float32(0.0)))
             grads[r, None].store(cute.where(visible, grads[r, None].load(), Float32(0.0)))
         if cutlass.const_expr(self.aux_grad is not None):
@@ -375,22 +431,68 @@ class Sm90BwdStep:
         """dV += P^T.dO, then dQ = dS.K once every dS row is in (returned, done), then dK +=
         dS^T.Q, left running (the caller stages dQ meanwhile, then waits: ``dk_done``); frees dO."""
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(f.p, mode=[2])):
-            cute.gemm(f.dkv, f.acc_dv, f.p[None, None, kb], f.tVrdO[None, None, kb, state.index], f.acc_dv)
-        warpgroup.commit_group()
+        self._dv_product(f, state)
         # every dS row is in, and (for stage_dq) every warpgroup's dQ staging buffer is free
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
+        acc_dq = self._dq_product(f)
+        self._dk_product(f, state)
+        warpgroup.wait_group(1)  # dV and dQ are done; dK runs on
+        pipe_do.consumer_release(state)
+        return acc_dq
+
+    @cute.jit
+    def products_by_columns(self, f: BwdFragments, pipe_q, pipe_do, state):
+        """dkv_split n: once both warpgroups' P^T and dS^T rows are in, dK += dS^T.Q first (Q's
+        stage is freed as it ends, so the next Q loads during dV and dQ: one stage at d256), then
+        dV += P^T.dO (frees dO), then dQ = dS.K (returned, done). Every reader of sP and sdS is
+        done before stage_dq's barrier, after which the other warpgroup may write them again."""
+        self._dq_buffer_read(f)
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
+        warpgroup.fence()
+        self._dk_product(f, state)
+        self._dv_product(f, state)
+        acc_dq = self._dq_product(f)
+        warpgroup.wait_group(2)
+        pipe_q.consumer_release(state)
+        warpgroup.wait_group(1)
+        pipe_do.consumer_release(state)
+        warpgroup.wait_group(0)
+        return acc_dq
+
+    @cute.jit
+    def _dq_buffer_read(self, f: BwdFragments):
+        """dkv_split n, the issuing warp: the reduce-add that last read the staging buffer this
+        step's dQ goes to (dq_stages steps back) has read it. Waited here, half a step after it
+        was issued, not right after issuing (with one buffer, a stall of the warpgroup's next
+        MMAs); the DS_FULL barrier after it tells the other warps. (dkv_split m waits in
+        stage_dq.)"""
+        if f.warp == 0:
+            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
+
+    @cute.jit
+    def _dq_product(self, f: BwdFragments):
         acc_dq = cute.make_rmem_tensor(f.thr_dq.partition_shape_C((self.tile_m, self.dqk)), Float32)
         for kb in cutlass.range_constexpr(cute.size(f.tQrdS, mode=[2])):
             mma = f.dq_first if kb == 0 else f.dq_rest
             cute.gemm(mma, acc_dq, f.tQrdS[None, None, kb, 0], f.tQrK[None, None, kb, 0], acc_dq)
         warpgroup.commit_group()
-        for kb in cutlass.range_constexpr(cute.size(f.ds, mode=[2])):
-            cute.gemm(f.dk, f.acc_dk, f.ds[None, None, kb], f.tKrQ[None, None, kb, state.index], f.acc_dk)
-        warpgroup.commit_group()
-        warpgroup.wait_group(1)  # dV and dQ are done; dK runs on
-        pipe_do.consumer_release(state)
         return acc_dq
+
+    @cute.jit
+    def _dk_product(self, f: BwdFragments, state):
+        for kb in cutlass.range_constexpr(cute.size(f.ds_operand, mode=[2])):
+            cute.gemm(f.dk, f.acc_dk, self._a_block(f.ds_operand, kb), f.tKrQ[None, None, kb, state.index], f.acc_dk)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _dv_product(self, f: BwdFragments, state):
+        for kb in cutlass.range_constexpr(cute.size(f.p_operand, mode=[2])):
+            cute.gemm(f.dkv, f.acc_dv, self._a_block(f.p_operand, kb), f.tVrdO[None, None, kb, state.index], f.acc_dv)
+        warpgroup.commit_group()
+
+    def _a_block(self, operand, kb: int):
+        """K-block ``kb`` of dV's or dK's A operand (a shared-memory one has a stage mode)."""
+        return operand[None, None, kb, 0] if self.cfg.dkv_split == "n" else operand[None, None, kb]
 
     @cute.jit
     def dk_done(self, pipe_q, state):
@@ -409,8 +511,7 @@ class Sm90BwdStep:
         # thread-dependent one around the TMA serialized every wgmma of the kernel)
         issuing = f.warp == 0
         staged = f.thr_dq.partition_C(smem.dq[None, None, stage])
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
-            staged[i] = acc_dq[i]
+        cute.autovec_copy(acc_dq, staged)  # (64-bit stores where the swizzle keeps pairs together)
         cute.arch.fence_proxy("async.shared", space="cta")
         # both warpgroups: this step's dQ is staged, and their dQ MMAs have read dS (products
         # waited for them), so the next step may write it
@@ -434,9 +535,10 @@ class Sm90BwdStep:
                 self._await_dq_turn(semaphores, (head, batch, m_block), f.warpgroup, turn)
             cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
             cute.arch.cp_async_bulk_commit_group()
-            # the next step's buffer is free once the reduce-add dq_stages - 1 steps back has read
-            # it (the next step's DS_FULL barrier tells the other warps)
-            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
+            if cutlass.const_expr(self.cfg.dkv_split == "m"):
+                # (waited here with dK's MMA in flight: a wait in products, between dV's MMA and
+                # the barrier, made ptxas serialize wgmmas and spill)
+                cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
 
     @cute.jit
     def dq_stores_done(self, f: BwdFragments, semaphores, last):
