@@ -55,8 +55,9 @@ def backward_problem(spec: AttentionSpec) -> str:
 
 def _tile_row(width: int, variant: dict) -> BwdTileRow:
     """The schedule's row for the padded head dim ``width``: the plain rows' own where the variant
-    computes nothing per score beyond P and dS (no mask, soft cap or score modifier)."""
-    masked = ("window_left", "window_right", "chunk", "softcap")
+    computes per score at most one compare beyond P and dS (no mask but a right bound, no soft cap
+    or score modifier)."""
+    masked = ("window_left", "chunk", "softcap")
     plain = all(variant[name] is None for name in masked) and not any(
         variant[name] for name in ("prefix_lm", "document", "expression_mask", "score_mod")
     )

@@ -259,9 +259,9 @@ SM90_BWD_TILES = (
     ),
 )
 # 128 query rows per step (dQ split by rows, the rows' LSE and dPsum read per S^T row) where a
-# d <= 64 variant computes nothing per score beyond P and dS: no mask, soft cap or score modifier.
-# Measured 1.03-1.12x without a mask; a causal one spilled 6 and measured 0.97-1.01x (decision
-# bwd-tiles).
+# d <= 64 variant computes per score at most one compare beyond P and dS: no mask but a right bound
+# (causal), no soft cap or score modifier. Measured 1.03-1.12x without a mask, 0.98-1.06x causal
+# (geometric mean 1.03x) (decision bwd-tiles).
 SM90_BWD_PLAIN_WIDE_ROWS = BwdTileRow(
     64,
     128,
@@ -269,7 +269,7 @@ SM90_BWD_PLAIN_WIDE_ROWS = BwdTileRow(
     "m",
     2,
     2,
-    "128 query rows per step (dQ split by rows): a d <= 64 variant with no mask, soft cap or score "
-    "modifier has the registers (decision bwd-tiles)",
+    "128 query rows per step (dQ split by rows): a d <= 64 variant with no mask but a right bound, "
+    "no soft cap or score modifier has the registers (decision bwd-tiles)",
 )
 SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split
