@@ -118,14 +118,7 @@ class Sm90BwdStep:
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         W = self.num_consumers
         by_cols = self.cfg.dkv_split == "n"
-        if cutlass.const_expr(by_cols):
-            # the 64 keys shared: S^T split by query rows, dK and dV by head-dim columns, their
-            # A operands (P^T, dS^T) read transposed from shared memory
-            split, sdp_tiler, a_major = (1, W, 1), (WGMMA_M, self.tile_m // W), MN
-            dv_tiler, dk_tiler = (WGMMA_M, self.dv // W), (WGMMA_M, self.dqk // W)
-        else:  # the key rows split over the warpgroups
-            split, sdp_tiler, a_major = (W, 1, 1), (WGMMA_M, self.tile_m), K
-            dv_tiler, dk_tiler = (WGMMA_M, self.dv), (WGMMA_M, self.dqk)
+        split, sdp_tiler, a_major, dv_tiler, dk_tiler = self._dkv_tiling()
         sdp_first = self._mma(K, K, split, sdp_tiler, False)
         thr_sdp = sdp_first.get_slice(ctidx)
         dkv = self._mma(a_major, MN, split, dv_tiler, True, a_registers=not by_cols)
@@ -147,19 +140,9 @@ class Sm90BwdStep:
         )
         thr_copy = ds_copy.get_slice(ctidx)
         s_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        p_target, p_source = None, None
-        if cutlass.const_expr(by_cols):
-            p = cute.make_rmem_tensor(s_shape, self.dtype)
-            ds = cute.make_rmem_tensor(s_shape, self.dtype)
-            sPt = cute.make_tensor(smem.p.iterator, cute.select(smem.p.layout, mode=[1, 0, 2]))
-            p_operand = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
-            ds_operand = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
-            p_source = thr_copy.retile(p)
-            p_target = thr_copy.partition_D(sPt[None, None, 0])
-        else:
-            p = cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
-            ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
-            p_operand, ds_operand = p, ds
+        p, ds, p_operand, ds_operand, p_source, p_target = self._probability_operands(
+            smem, (thr_dv, thr_dk, thr_copy), s_shape, sdSt
+        )
         acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.dqk)))
         acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.dv)))
         acc_dk.fill(0.0)
@@ -198,6 +181,37 @@ class Sm90BwdStep:
             wtidx=ctidx % WARPGROUP_THREADS,
             warp=cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4,
         )
+
+    def _dkv_tiling(self) -> tuple:
+        """(warpgroup layout, S^T's tiler, dV's and dK's A major mode, dV's tiler, dK's tiler)."""
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
+        W = self.num_consumers
+        if self.cfg.dkv_split == "n":
+            # the 64 keys shared: S^T split by query rows, dK and dV by head-dim columns, their
+            # A operands (P^T, dS^T) read transposed from shared memory
+            return (1, W, 1), (WGMMA_M, self.tile_m // W), MN, (WGMMA_M, self.dv // W), (WGMMA_M, self.dqk // W)
+        # the key rows split over the warpgroups
+        return (W, 1, 1), (WGMMA_M, self.tile_m), K, (WGMMA_M, self.dv), (WGMMA_M, self.dqk)
+
+    def _probability_operands(self, smem: BwdSmem, parts, s_shape, sdSt):
+        """P^T and dS^T rounded to 16 bits (registers) and dV's and dK's A operands: the same
+        registers (dkv_split m), or their shared-memory copies with the stmatrix source and
+        target of P^T's (n; dS^T's are made by the caller for dQ either way)."""
+        thr_dv, thr_dk, thr_copy = parts
+        p_source, p_target = None, None
+        if self.cfg.dkv_split == "n":
+            p = cute.make_rmem_tensor(s_shape, self.dtype)
+            ds = cute.make_rmem_tensor(s_shape, self.dtype)
+            sPt = cute.make_tensor(smem.p.iterator, cute.select(smem.p.layout, mode=[1, 0, 2]))
+            p_operand = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
+            ds_operand = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
+            p_source = thr_copy.retile(p)
+            p_target = thr_copy.partition_D(sPt[None, None, 0])
+        else:
+            p = cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+            ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+            p_operand, ds_operand = p, ds
+        return p, ds, p_operand, ds_operand, p_source, p_target
 
     @cute.jit
     def column_values(self, rows: cute.Tensor, stage: Int32, coords, row_shape):
