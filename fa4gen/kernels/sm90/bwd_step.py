@@ -231,7 +231,9 @@ class Sm90BwdStep:
         acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         pipe_q.consumer_wait(state)
         lse = None
-        if cutlass.const_expr(self.score_grad is None and self.cfg.softcap is None and self.tile_m <= WGMMA_M):
+        # (not beside a mask's second bound: with chunks it spilled, decision bwd-step-trim)
+        plain = self.score_grad is None and self.cfg.softcap is None and not self._query_bounds()[1]
+        if cutlass.const_expr(plain and self.tile_m <= WGMMA_M):
             lse = self.column_values(
                 smem.lse, state.index, rows_cols_view(f.coords_s), rows_cols_view(acc_s)[0, None].shape
             )
@@ -265,6 +267,14 @@ class Sm90BwdStep:
             cute.copy(f.ds_copy, f.p_source, f.p_target)
         cute.arch.fence_proxy("async.shared", space="cta")
 
+    def _query_bounds(self) -> tuple[bool, bool]:
+        """Whether the mask bounds a key's lowest query (0 without a right bound, chunks, a prefix
+        or documents) and its highest (Sq - 1 without a left bound, chunks or documents)."""
+        c = self.cfg
+        starts = c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
+        ends = c.window_left is not None or c.chunk is not None or c.document
+        return starts, ends
+
     @cute.jit
     def visible_of_row(self, coords, r: int, at, sizes, exact: bool = False):
         """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a
@@ -277,11 +287,7 @@ class Sm90BwdStep:
         first_col = m_block * self.tile_m + coords[0, 0][1]
         key = n_block * self.tile_n + coords[r, 0][0]
         lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-        # (the lowest query that sees a key is 0 without a right bound, chunks, a prefix or
-        # documents; the highest is Sq - 1 without a left bound, chunks or documents)
-        c = self.cfg
-        starts = c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
-        ends = c.window_left is not None or c.chunk is not None or c.document
+        starts, ends = self._query_bounds()
         if cutlass.const_expr(starts and not ends and not exact):
             lo = cutlass.select_(key < seqlen_k, lo, seqlen_q)
             return offsets >= lo - first_col
@@ -291,11 +297,14 @@ class Sm90BwdStep:
     def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes, lse):
         """P^T = exp2(S^T * scale_log2 - LSE) while dP^T finishes, then dS^T = P^T (dP^T - dPsum).
         The columns' LSE and dPsum are held for the tile up to 64 query rows (``lse``: loaded
-        before the step's MMAs were issued, so the loads' latency hides behind them), read per
-        row past that (held beside 128-row S^T and dP^T they spilled: decision bwd-tiles)."""
+        before the step's MMAs were issued, so the loads' latency hides behind them, except beside
+        a mask's second bound: None, loaded here), read per row past that (held beside 128-row
+        S^T and dP^T they spilled: decision bwd-tiles)."""
         coords = rows_cols_view(f.coords_s)
         row_shape = scores[0, None].shape
         per_row = self.tile_m > WGMMA_M
+        if cutlass.const_expr(lse is None and not per_row):
+            lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
         warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             if cutlass.const_expr(per_row):
