@@ -37,7 +37,7 @@ def _nvdisasm() -> str | None:
 FIRST_CALL_SPECS = ("mistral-7b", "llama3-8b", "vit")
 DETERMINISTIC_SPECS = ("llama3-8b", "llama4-chunked", "packed-documents")  # backwards also built deterministic
 SOFTCAP_BACKWARD_SPILLS = 32  # spill instructions a soft-capped backward may have (22-28 measured)
-# a d128 backward that trains tensors keeps their shares beside S^T and dP^T (58-63 measured:
+# a d128 backward that trains tensors keeps their shares beside S^T and dP^T (58-65 measured:
 # expression-score with its soft cap, ALiBi GQA 4; T5's d64 none)
 TRAINING_TENSORS_SPILLS = 72
 

@@ -534,7 +534,12 @@ class Sm90BwdStep:
         # thread-dependent one around the TMA serialized every wgmma of the kernel)
         issuing = f.warp == 0
         staged = f.thr_dq.partition_C(smem.dq[None, None, stage])
-        cute.autovec_copy(acc_dq, staged)  # (64-bit stores where the swizzle keeps pairs together)
+        if cutlass.const_expr(self.cfg.deterministic):
+            # (element by element: beside the turn's semaphore work the 64-bit stores spilled)
+            for i in cutlass.range_constexpr(cute.size(acc_dq)):
+                staged[i] = acc_dq[i]
+        else:
+            cute.autovec_copy(acc_dq, staged)  # (64-bit stores where the swizzle keeps pairs together)
         cute.arch.fence_proxy("async.shared", space="cta")
         # both warpgroups: this step's dQ is staged, and their dQ MMAs have read dS (products
         # waited for them), so the next step may write it
