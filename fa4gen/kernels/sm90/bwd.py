@@ -44,8 +44,6 @@ from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
-
-
 PREPOST_THREADS = WARPGROUP_THREADS
 ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 
