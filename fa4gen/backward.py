@@ -220,14 +220,7 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     stay bit-identical from run to run), else 1. Without a mask the CTAs are equal and splitting
     only adds the sums (decision bwd-tiles)."""
     c = plan.config
-    unequal = (
-        c.window_left is not None
-        or c.window_right is not None
-        or c.chunk is not None
-        or c.prefix_lm
-        or c.document
-        or c.expression_mask
-    )
+    unequal = any(c.query_bounds) or c.expression_mask
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
 

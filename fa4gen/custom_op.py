@@ -309,7 +309,7 @@ def run_with_grad(kernel, q, k, v, variant: dict):
     if kernel.spec.sinks and variant.get("sinks") is not None:
         slots.append(("sinks", None))
         tensors.append(variant["sinks"])
-    for extra in kernel._lowered.trainable:
+    for extra in trainable(kernel.spec):
         holder = (variant.get("aux") or {}) if extra.role == "aux" else variant
         key = extra.name if extra.role == "aux" else extra.role
         if holder.get(key) is not None:

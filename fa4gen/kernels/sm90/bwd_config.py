@@ -91,6 +91,14 @@ class Sm90BwdConfig(BaseModel):
         return self.num_consumer_warpgroups if self.dkv_split == "n" else 1
 
     @property
+    def query_bounds(self) -> tuple[bool, bool]:
+        """Whether the structural mask bounds a key's lowest query (0 without a right bound, chunks,
+        a prefix or documents) and its highest (Sq - 1 without a left bound, chunks or documents)."""
+        starts = self.window_right is not None or self.chunk is not None or self.prefix_lm or self.document
+        ends = self.window_left is not None or self.chunk is not None or self.document
+        return starts, ends
+
+    @property
     def dq_descending(self) -> bool:
         """The deterministic backward's order of key tiles at each query tile's dQ: descending
         where a right bound makes higher key tiles start their ascending walk at higher query

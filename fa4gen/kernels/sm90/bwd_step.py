@@ -232,7 +232,7 @@ class Sm90BwdStep:
         pipe_q.consumer_wait(state)
         lse = None
         # (not beside a mask's second bound: with chunks it spilled, decision bwd-step-trim)
-        plain = self.score_grad is None and self.cfg.softcap is None and not self._query_bounds()[1]
+        plain = self.score_grad is None and self.cfg.softcap is None and not self.cfg.query_bounds[1]
         if cutlass.const_expr(plain and self.tile_m <= WGMMA_M):
             lse = self.column_values(
                 smem.lse, state.index, rows_cols_view(f.coords_s), rows_cols_view(acc_s)[0, None].shape
@@ -267,14 +267,6 @@ class Sm90BwdStep:
             cute.copy(f.ds_copy, f.p_source, f.p_target)
         cute.arch.fence_proxy("async.shared", space="cta")
 
-    def _query_bounds(self) -> tuple[bool, bool]:
-        """Whether the mask bounds a key's lowest query (0 without a right bound, chunks, a prefix
-        or documents) and its highest (Sq - 1 without a left bound, chunks or documents)."""
-        c = self.cfg
-        starts = c.window_right is not None or c.chunk is not None or c.prefix_lm or c.document
-        ends = c.window_left is not None or c.chunk is not None or c.document
-        return starts, ends
-
     @cute.jit
     def visible_of_row(self, coords, r: int, at, sizes, exact: bool = False):
         """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a
@@ -287,7 +279,7 @@ class Sm90BwdStep:
         first_col = m_block * self.tile_m + coords[0, 0][1]
         key = n_block * self.tile_n + coords[r, 0][0]
         lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-        starts, ends = self._query_bounds()
+        starts, ends = self.cfg.query_bounds
         if cutlass.const_expr(starts and not ends and not exact):
             lo = cutlass.select_(key < seqlen_k, lo, seqlen_q)
             return offsets >= lo - first_col
