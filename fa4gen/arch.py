@@ -48,6 +48,8 @@ class ArchCaps:
     compute_capability: tuple[int, int]
     supported: bool
     smem_bytes_per_cta: int  # opt-in dynamic shared memory limit per block
+    smem_bytes_per_sm: int  # what the CTAs resident on one SM share
+    smem_reserved_per_cta: int  # what the driver keeps of that per resident CTA
     registers_per_sm: int
     max_regs_per_thread: int
     warpgroup_mma: bool
@@ -63,6 +65,8 @@ _CAPS: dict[Arch, ArchCaps] = {
         compute_capability=(9, 0),
         supported=True,
         smem_bytes_per_cta=227 * 1024,
+        smem_bytes_per_sm=228 * 1024,
+        smem_reserved_per_cta=1024,
         registers_per_sm=64 * 1024,
         max_regs_per_thread=255,
         warpgroup_mma=True,
@@ -76,6 +80,8 @@ _CAPS: dict[Arch, ArchCaps] = {
         compute_capability=(10, 0),
         supported=False,
         smem_bytes_per_cta=227 * 1024,
+        smem_bytes_per_sm=228 * 1024,
+        smem_reserved_per_cta=1024,
         registers_per_sm=64 * 1024,
         max_regs_per_thread=255,
         warpgroup_mma=False,

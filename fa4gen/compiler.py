@@ -117,6 +117,35 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     ]
 
 
+def fake_decode_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
+    """Stand-ins for the decode kernel's (q, k, v, o, lse, o_part, lse_part, seqused_k,
+    num_splits, *extras, stream): the partials (splits, B, Sq, Hq, Dv) and (splits, B, Hq, Sq)
+    compact fp32, the cache lengths (B,) int32, the split count a run-time Int32."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    def compact(dtype, *static: int, rank: int):
+        shape = tuple(cute.sym_int32() for _ in range(rank - len(static))) + static
+        order = tuple(reversed(range(len(shape))))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16 if static else 4)
+
+    d, dv = spec.head_dim, spec.dv
+    return [
+        _fake_bshd(spec, d),
+        _fake_bshd(spec, d),
+        _fake_bshd(spec, dv),
+        _fake_bshd(spec, dv),
+        _fake_lse() if spec.return_lse else None,
+        compact(cutlass.Float32, dv, rank=5),
+        compact(cutlass.Float32, rank=4),
+        compact(cutlass.Int32, rank=1),
+        cutlass.Int32(1),
+        *_fake_extras(spec),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
 def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for (q, k, v, o, lse, work, flags, num_ctas, *extras, stream): symbolic B, S, H,
     CTA count and aux sizes; static head dims. The extras follow fa4gen.variants.lower (one place
@@ -128,6 +157,8 @@ def fake_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
 
     if plan.is_backward:
         return fake_backward_arguments(spec, plan)
+    if plan.is_decode:
+        return fake_decode_arguments(spec, plan)
 
     def bshd(dim: int):
         return _fake_bshd(spec, dim)

@@ -27,7 +27,15 @@ from fa4gen.handles import registered as _registered
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import Extra, lower
 
-TENSOR_ARGUMENTS = ("sinks", "alibi_slopes", "rel_bias", "prefix_lengths", "cu_seqlens_q", "cu_seqlens_k")
+TENSOR_ARGUMENTS = (
+    "sinks",
+    "alibi_slopes",
+    "rel_bias",
+    "prefix_lengths",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "seqused_k",
+)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -43,6 +51,7 @@ def forward(
     prefix_lengths: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
+    seqused_k: torch.Tensor | None,
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
     block_tensors: list[torch.Tensor],
@@ -60,7 +69,7 @@ def forward(
     spec = registered.spec
     variant = _variant(
         spec,
-        (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k),
+        (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, seqused_k),
         (max_seqlen_q, max_seqlen_k),
         (block_tensors, block_sizes),
         (aux_names, aux_tensors, scalar_names, scalar_values),
@@ -135,7 +144,7 @@ def backward(
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
     named = (aux_names, aux_tensors, scalar_names, scalar_values)
-    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k)
+    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, None)
     variant = _variant(registered.spec, tensors, (None, None), ([], []), named)
     grads = registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
     dq, dk, dv, *rest = grads
@@ -168,10 +177,10 @@ def trained_sources(spec: AttentionSpec, alibi_slopes, rel_bias, aux: dict) -> l
 
 # the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
 # rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, then the aux names, tensors, scalar names
-# and values (fa4gen::forward's order)
-_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 14, 15, 16, 17)
+# and values (fa4gen::forward's order; seqused_k is inference only)
+_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 18)
 SINKS_INPUT = 4
-ALIBI_INPUT, REL_BIAS_INPUT, AUX_NAMES_INPUT, AUX_TENSORS_INPUT = 5, 6, 14, 15
+ALIBI_INPUT, REL_BIAS_INPUT, AUX_NAMES_INPUT, AUX_TENSORS_INPUT = 5, 6, 15, 16
 
 
 def _save_for_backward(ctx, inputs, output) -> None:

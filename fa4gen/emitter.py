@@ -27,6 +27,7 @@ from fa4gen.variants import lower
 KERNEL_TEMPLATES = {
     "HopperAttentionForward": ("sm90.fwd", "sm90.config", "sm90_fwd.py.jinja"),
     "HopperAttentionBackward": ("sm90.bwd", "sm90.bwd_config", "sm90_bwd.py.jinja"),
+    "HopperAttentionDecode": ("sm90.decode", "sm90.decode_config", "sm90_decode.py.jinja"),
 }
 
 

@@ -187,8 +187,25 @@ class AttentionKernel:
             from fa4gen.custom_op import call
 
             return call(self.handle, self.spec, q, k, v, out=out, lse=lse, **variant)
-        kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
+        if variant.get("seqused_k") is not None:
+            kernel = self.decode_kernel()
+        else:
+            kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
         return kernel._launch(q, k, v, out=out, lse=lse, **variant)
+
+    def decode_kernel(self) -> AttentionKernel:
+        """The kernel of the decode range, which runs every launch over a KV cache with per-entry
+        lengths (``seqused_k``) whatever its query length; ValueError where the variant has none."""
+        from fa4gen.planner.sm90_decode import decode_problem
+
+        if self.plan.is_decode:
+            return self
+        found = next((s.kernel for s in self.splits if s.kernel.plan.is_decode), None)
+        if found is None:
+            raise ValueError(
+                f"seqused_k= needs the decode kernel, which this spec has none of: {decode_problem(self.spec)}"
+            )
+        return found
 
     def _with_grad(self, q, k, v, out, lse, variant):
         """The call under autograd: the custom op on the forward with its LSE, whose autograd
@@ -241,6 +258,7 @@ class AttentionKernel:
         max_seqlen_k=None,
         aux=None,
         block_mask=None,
+        seqused_k=None,
     ):
         """Validate, then launch this kernel (see ``__call__``)."""
         import torch
@@ -286,17 +304,36 @@ class AttentionKernel:
         extras = variant_arguments(
             self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k), lowered=self._lowered
         )
+        if seqused_k is not None:
+            check_cache_lengths(seqused_k, batch, q.device)
         if out.numel() > 0:
-            num_ctas = multiprocessor_count(q.device)
-            work, flags = split_workspace(self.plan, q.device, num_ctas)
             function = self._function or self._loaded_function()  # built on a first launch only
             if self._pending is not None and not torch.cuda.is_current_stream_capturing():
                 function = self._take_over()  # (a graph being captured keeps what it has)
-            function(q, k, v, out, lse, work, flags, num_ctas, *extras)
+            if self.plan.is_decode:
+                self._launch_decode(function, q, k, v, out, lse, seqused_k, extras)
+            else:
+                num_ctas = multiprocessor_count(q.device)
+                work, flags = split_workspace(self.plan, q.device, num_ctas)
+                function(q, k, v, out, lse, work, flags, num_ctas, *extras)
         if varlen:
             out = out.squeeze(0) if given_out is None else given_out
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
+
+    def _launch_decode(self, function, q, k, v, out, lse, seqused_k, extras) -> None:
+        """The decode kernel with its split count (from the sizes and this device's SMs), the
+        split partials and the cache lengths (every entry's the cache's Sk where none are given)."""
+        from fa4gen.kernels.sm90.decode_config import decode_splits
+
+        c = self.plan.config
+        batch, seqlen_q, heads_q = q.shape[:3]
+        if seqused_k is None:
+            seqused_k = full_cache_lengths(batch, k.shape[1], q.device)
+        slots = multiprocessor_count(q.device) * c.ctas_per_sm
+        splits = decode_splits(batch, k.shape[2], seqlen_q, k.shape[1], c.qhead_per_kvhead, c.tile_n, slots)
+        o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, self.spec.dv), q.device)
+        function(q, k, v, out, lse, o_part, lse_part, seqused_k, splits, *extras)
 
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
         """``document_tables`` for this kernel's tiles (``DocumentTableCache``)."""
@@ -569,6 +606,64 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     elif capturing:
         _SPLIT_WORKSPACES[key][1].zero_()
     return _SPLIT_WORKSPACES[key]
+
+
+_DECODE_CONSTANTS: dict = {}  # (what, device, sizes, capturing) -> a tensor no launch writes
+
+
+def _kept(key: tuple, make):
+    """A tensor made once per key and kept; made apart for launches being captured into a CUDA
+    graph (their memory comes from the graph's pool), as ``split_workspace``."""
+    import torch
+
+    key = (*key, torch.cuda.is_current_stream_capturing())
+    if key not in _DECODE_CONSTANTS:
+        _DECODE_CONSTANTS[key] = make()
+    return _DECODE_CONSTANTS[key]
+
+
+def full_cache_lengths(batch: int, seqlen_k: int, device):
+    """Cache lengths of a launch without ``seqused_k``: every entry's keys end at the cache's Sk."""
+    import torch
+
+    return _kept(
+        ("lengths", device, batch, seqlen_k), lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    )
+
+
+def decode_partials(splits: int, out_shape: tuple, device):
+    """Split-KV partial outputs (splits, B, Sq, Hq, Dv) and LSE (splits, B, Hq, Sq), fp32, made per
+    launch; with one split the kernel never reads them, so a kept stand-in of one element per mode."""
+    import torch
+
+    batch, seqlen_q, heads, dv = out_shape
+    if splits == 1:
+        return _kept(
+            ("partials", device, dv),
+            lambda: (
+                torch.empty((1, 1, 1, 1, dv), dtype=torch.float32, device=device),
+                torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device),
+            ),
+        )
+    return (
+        torch.empty((splits, batch, seqlen_q, heads, dv), dtype=torch.float32, device=device),
+        torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=device),
+    )
+
+
+def check_cache_lengths(seqused_k: Any, batch: int, device) -> None:
+    """``seqused_k``: int32 (B,) on the inputs' device, contiguous. Its values are not read here
+    (that would wait for the GPU): the kernel clamps each to [0, the cache's Sk]."""
+    import torch
+
+    if not isinstance(seqused_k, torch.Tensor):
+        raise ValueError(f"seqused_k must be a torch.Tensor, got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (batch,):
+        raise ValueError(f"seqused_k must be int32 of shape ({batch},), got {seqused_k.dtype} {tuple(seqused_k.shape)}")
+    if seqused_k.device != device:
+        raise ValueError(f"seqused_k is on {seqused_k.device}, the inputs are on {device}")
+    if batch > 1 and seqused_k.stride(0) != 1:
+        raise ValueError("seqused_k must be contiguous")
 
 
 def _torch_dtype(name: str):

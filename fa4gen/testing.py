@@ -34,7 +34,10 @@ def visible_keys(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None,
         q_pos = q_pos - cu_q[doc_q] + (cu_k[doc_q + 1] - cu_k[doc_q]) - (cu_q[doc_q + 1] - cu_q[doc_q])
         k_pos = k_pos - cu_k[doc_k]
     else:
-        q_pos = q_pos + (seqlen_k - seqlen_q)
+        end = cache_lengths(args, seqlen_k)
+        q_pos = q_pos + (end - seqlen_q)
+        if args.get("seqused_k") is not None:  # each entry's keys end at its own cache length
+            mask = mask & (k_pos < end)
     if spec.right_bound is not None:
         mask &= k_pos <= q_pos + spec.right_bound
     if spec.left_bound is not None:
@@ -45,6 +48,13 @@ def visible_keys(spec: AttentionSpec, seqlen_q: int, seqlen_k: int, device=None,
         prefix = args["prefix_lengths"].long().view(-1, 1, 1, 1)
         mask = mask & ((k_pos <= q_pos) | (k_pos < prefix))
     return mask
+
+
+def cache_lengths(args: dict, seqlen_k: int):
+    """Where each batch entry's keys end: ``seqused_k`` (clamped to the cache's Sk, as the kernel
+    does) as a (B, 1, 1, 1) tensor, or Sk for all."""
+    used = args.get("seqused_k")
+    return seqlen_k if used is None else used.long().clamp(0, seqlen_k).view(-1, 1, 1, 1)
 
 
 def visible_mask(
@@ -76,6 +86,7 @@ def _expression_env(spec: AttentionSpec, scores, shape, device, args):
         "seqlen_k": seqlen_k,
     }
     env.update({name: value for name, value in args.items() if name != "aux"})
+    env["seqlen_k"] = cache_lengths(args, seqlen_k)
     env.update(args.get("aux", {}))
     if spec.score_mod is not None and spec.score_mod.kind == "alibi" and args.get("alibi_slopes") is None:
         env["alibi_slopes"] = torch.tensor(standard_alibi_slopes(heads), device=device)
@@ -98,7 +109,7 @@ def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True, args=None, i
     """(o, lse): o (B, Sq, Hq, Dv) in q's dtype or float32 (upcast), lse (B, Hq, Sq) float32.
 
     ``args`` holds the variant's run-time values by keyword (sinks, alibi_slopes, rel_bias,
-    prefix_lengths, cu_seqlens_q/k, aux={...}). Score modifiers and expression masks come from
+    prefix_lengths, cu_seqlens_q/k, seqused_k, aux={...}). Score modifiers and expression masks come from
     the expression language's PyTorch rendering; with ``independent`` the built-in modifiers
     (ALiBi, relative bias) use hand-written formulas instead. With a document mask q, k, v (and
     the results) are packed (total, H, D)."""

@@ -401,3 +401,29 @@ DETERMINISTIC_CASES = (
     "deepseek-style",
     "d64-gqa4-dense",
 )
+
+
+def decode_specs() -> dict[str, AttentionSpec]:
+    """Variants the decode tests run (fa4gen.kernels.sm90.decode): packed GQA ratios 1-8 and head
+    dims 64-256 across the forward's masks and score modifiers, each with its LSE."""
+    llama = dict(head_dim=128, qhead_per_kvhead=4, causal=True, return_lse=True)
+    return {
+        "llama-gqa4": AttentionSpec(**llama),
+        "mha-d64": AttentionSpec(head_dim=64, causal=True, return_lse=True),
+        "gqa8-d256": AttentionSpec(head_dim=256, qhead_per_kvhead=8, causal=True, return_lse=True),
+        "gqa6-d96-dense": AttentionSpec(head_dim=96, qhead_per_kvhead=6, return_lse=True),
+        "mla-192-128": AttentionSpec(head_dim=192, head_dim_v=128, qhead_per_kvhead=2, causal=True, return_lse=True),
+        "window-sinks": AttentionSpec(**{**llama, "qhead_per_kvhead": 8}, window_left=127, sinks=True),
+        "softcap-window": AttentionSpec(head_dim=128, qhead_per_kvhead=2, causal=True, window_left=300, softcap=30.0),
+        "chunked": AttentionSpec(head_dim=128, qhead_per_kvhead=4, mask={"kind": "chunked", "size": 256}),
+        "alibi": AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True, score_mod={"kind": "alibi"}),
+        "expression": AttentionSpec(
+            head_dim=128,
+            qhead_per_kvhead=4,
+            causal=True,
+            return_lse=True,
+            score_mod={"kind": "expression", "expr": "score + bias[h] * (kv_idx - q_idx) / seqlen_k"},
+            mask={"kind": "expression", "expr": "kv_idx - kv_idx // 7 * 7 != 3 or q_idx == 0"},
+            aux={"bias": {"dtype": "float32", "shape": ["Hq"]}},
+        ),
+    }

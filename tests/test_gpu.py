@@ -107,10 +107,10 @@ def test_first_call_kernel_agrees_with_the_planner_s(name, shape):
 @pytest.mark.parametrize(
     "name, tiles",
     [
-        ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144)}),
-        ("dense-gqa2+lse", {"main": (128, 128), "long": (128, 128)}),
-        ("vit+lse", {"main": (192, 128), "short": (256, 64), "long": (192, 128)}),
-        ("d64-causal-gqa2+lse", {"main": (192, 128), "short": (256, 64)}),
+        ("phi3-mini+lse", {"main": (192, 128), "short": (128, 128), "long": (192, 144), "decode": (64, 64)}),
+        ("dense-gqa2+lse", {"main": (128, 128), "long": (128, 128), "decode": (64, 64)}),
+        ("vit+lse", {"main": (192, 128), "short": (256, 64), "long": (192, 128), "decode": (64, 128)}),
+        ("d64-causal-gqa2+lse", {"main": (192, 128), "short": (256, 64), "decode": (64, 128)}),
     ],
 )
 def test_each_length_range_runs_its_plan(name, tiles):

@@ -93,10 +93,46 @@ def _config(spec: AttentionSpec) -> Sm90FwdConfig:
 
 
 def _grid_plans() -> list[tuple[AttentionSpec, Plan]]:
-    """Every grid spec's plan and its length ranges' plans."""
+    """Every grid spec's forward plan and its length ranges' forward plans (decode's: below)."""
     return [
-        (spec, p) for spec in GRID for p in (plan(spec, "sm_90a"), *(s.plan for s in seqlen_splits(spec, "sm_90a")))
+        (spec, p)
+        for spec in GRID
+        for p in (plan(spec, "sm_90a"), *(s.plan for s in seqlen_splits(spec, "sm_90a")))
+        if not p.is_decode
     ]
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 7, 8, 64])
+def test_decode_plans_hold_their_invariants(ratio):
+    """Every variant with a decode kernel gets one plan per head dim 8..256: the spec's fields as
+    the forward's, tiles that fit shared memory and the registers, the decode range first of the
+    length ranges; packed documents and prefix-LM have none."""
+    from fa4gen.kernels.sm90.decode_config import decode_config_problem, decode_smem_bytes
+    from fa4gen.planner import first_call_plan
+    from fa4gen.planner.sm90_decode import decode_max_seqlen_q, decode_problem
+
+    for spec in GRID:
+        spec = spec.model_copy(update={"qhead_per_kvhead": ratio})
+        splits = seqlen_splits(spec, "sm_90a")
+        decode = [s for s in splits if s.plan.is_decode]
+        if spec.is_varlen or spec.mask_kind == "prefix_lm":
+            assert not decode and decode_problem(spec).startswith("mask:")
+            continue
+        assert splits[0] is decode[0] and decode[0].label == "decode"
+        c = decode[0].plan.config
+        fields = {name: value for name, value in variant_fields(spec).items() if name in type(c).model_fields}
+        assert {name: getattr(c, name) for name in fields} == fields
+        assert decode[0].max_seqlen_q == decode_max_seqlen_q(spec) >= 1
+        assert decode[0].max_seqlen_q * ratio <= 64 or ratio == 1 or decode[0].max_seqlen_q == 1
+        assert 0 <= c.head_dim_padded - spec.head_dim < MMA_K_GRANULE and c.kv_stages >= 2
+        assert decode_smem_bytes(c) == decode[0].plan.smem_bytes <= SMEM_LIMIT
+        assert not decode_config_problem(c) and not plan_problem(decode[0].plan)
+        assert first_call_plan(decode[0].plan) is None  # (a cache miss builds decode's own kernel)
+
+
+def _forward_splits(spec: AttentionSpec) -> list:
+    """The length ranges that run the forward kernel (all but decode's)."""
+    return [s for s in seqlen_splits(spec, "sm_90a") if not s.plan.is_decode]
 
 
 def check_plan_invariants(spec: AttentionSpec, p: Plan) -> None:
@@ -486,7 +522,7 @@ def test_key_tiles_without_mask_code_run_against_a_stale_max_where_measured():
         spec = AttentionSpec(**fields)
         c = _config(spec)
         assert c.stale_max and c.rescale_threshold == 8.0, spec.summary()
-        assert all(s.plan.config.stale_max for s in seqlen_splits(spec, "sm_90a")), spec.summary()
+        assert all(s.plan.config.stale_max for s in _forward_splits(spec)), spec.summary()
         assert any(not p.config.stale_max for p in candidates(spec, "sm_90a"))
     for fields in (
         {"head_dim": 192, "head_dim_v": 128},
@@ -526,7 +562,7 @@ def test_d128_without_a_mask_chains_its_query_tiles_where_measured():
         AttentionSpec(head_dim=256),
         AttentionSpec(head_dim=128, return_lse=True),
     ):
-        for p in (plan(kept, "sm_90a"), *(split.plan for split in seqlen_splits(kept, "sm_90a"))):
+        for p in (plan(kept, "sm_90a"), *(split.plan for split in _forward_splits(kept))):
             assert not p.config.chain_query_tiles, kept.summary()
     assert any(p.config.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
     assert any(not p.config.chain_query_tiles for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
@@ -594,7 +630,7 @@ def test_long_head_major_launches_split_their_tail():
     ones a plan without it; d192's row splits at every length in its own plan; masked specs never
     split. The kernel's workspace is one slot per CTA and consumer warpgroup."""
     d192 = AttentionSpec(head_dim=192, head_dim_v=128, softcap=30.0)
-    assert _config(d192).split_tail and not seqlen_splits(d192, "sm_90a")
+    assert _config(d192).split_tail and not _forward_splits(d192)
     assert _config(d192).split_tail_min_key_tiles == SPLIT_TAIL_EVERY_LENGTH.min_key_tiles
     for split, row in (
         (AttentionSpec(head_dim=128), SPLIT_TAIL),
@@ -620,7 +656,7 @@ def test_long_head_major_launches_split_their_tail():
         AttentionSpec(head_dim=128, mask="document"),
     ):
         assert not _config(kept).split_tail, kept.summary()
-        assert not any(s.plan.config.split_tail for s in seqlen_splits(kept, "sm_90a"))
+        assert not any(s.plan.config.split_tail for s in _forward_splits(kept))
     assert any(p.config.split_tail for p in candidates(AttentionSpec(head_dim=128), "sm_90a"))
     assert not any(p.config.split_tail for p in candidates(AttentionSpec(head_dim=128, causal=True), "sm_90a"))
     assert NO_SPLIT_TAIL == {"split_tail": False, "split_tail_min_key_tiles": 0}
@@ -702,7 +738,9 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     causal one); where the variant already runs those tiles there is nothing to switch to. Long
     launches run 144-key tiles at d96 and, without a mask, split their tail."""
     spec = AttentionSpec(**fields)
-    splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
+    every = seqlen_splits(spec, "sm_90a")
+    assert every[0].label == "decode" and every[0].plan.is_decode  # (test_decode_plans_hold_their_invariants)
+    splits = {s.label: s for s in every[1:]}
     assert list(splits) == labels
     main = _config(spec)
     if "short" in splits:
@@ -744,10 +782,12 @@ def test_length_ranges_cover_each_length_once():
     spec = AttentionSpec(head_dim=64, causal=True)
     splits = seqlen_splits(spec, "sm_90a")
     main = plan(spec, "sm_90a")
-    for seqlen in (1, 1024, 1025, 4096, 10**6):
+    for seqlen in (1, 16, 17, 1024, 1025, 4096, 10**6):
         covering = [s for s in splits if s.covers(seqlen)]
-        assert len(covering) <= 1
+        # the decode range, first, overlaps the short one: the first that covers a length runs it
+        assert len(covering) <= 1 or [s.label for s in covering] == ["decode", "short"]
         assert plan_for_seqlen(spec, "sm_90a", seqlen) == (covering[0].plan if covering else main)
+    assert plan_for_seqlen(spec, "sm_90a", 16).is_decode and not plan_for_seqlen(spec, "sm_90a", 17).is_decode
     assert plan_for_seqlen(spec, "sm_90a", 1024).config.tile_m == 256
     assert plan_for_seqlen(spec, "sm_90a", 1025) == main
     middle = SeqlenSplit(label="middle", min_seqlen_q=2048, max_seqlen_q=4096, plan=main, reason="r")
@@ -1069,7 +1109,7 @@ def test_the_gpu_tests_plan_premises_hold():
     from gpu_cases import keyless_cases, variant_specs
 
     specs = variant_specs()
-    for length in (17, 300, 700, 1000):
+    for length in (33, 300, 700, 1000):  # (up to 32 rows, 2 query heads per KV head: decode)
         c = plan_for_seqlen(specs["dense-gqa2"], "sm_90a", length).config
         assert c.chain_query_tiles and c.q_stages == 2 and not c.split_tail, length
     for name, (length, keys) in {"dense-gqa2+lse": (4100, 4200)}.items():

@@ -242,7 +242,7 @@ def test_each_length_range_runs_its_kernel():
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    split, long_split = seqlen_splits(spec, "sm_90a")
+    _, split, long_split = seqlen_splits(spec, "sm_90a")  # (decode's range: test_decode_launch_goes_to_its_kernel)
     assert (split.label, long_split.label, long_split.min_seqlen_q) == ("short", "long", 4096)
     short = AttentionKernel(spec, split.plan, Recorder(), key="short")
     long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
@@ -356,3 +356,54 @@ def test_eager_training_runs_the_kernels_without_the_op_and_routes_every_gradien
     )
     for leaf, expected in zip(leaves, want, strict=True):
         torch.testing.assert_close(leaf.grad.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_launch_goes_to_its_kernel():
+    """A launch with per-entry cache lengths runs the decode range's kernel whatever its query
+    length; a plain short launch too (its length range); a spec without a decode kernel says why,
+    naming seqused_k."""
+    from fa4gen.planner import seqlen_splits
+    from fa4gen.runtime import SplitKernel
+
+    spec = fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)
+    decode_split = seqlen_splits(spec, "sm_90a")[0]
+    assert decode_split.label == "decode" and decode_split.max_seqlen_q == 16
+    decode = AttentionKernel(spec, decode_split.plan, Recorder(), key="decode")
+    launched = []
+    decode._launch = lambda q, k, v, **kwargs: launched.append((q.shape[1], sorted(kwargs))) or "decode result"
+    kernel = AttentionKernel(
+        spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main", splits=(SplitKernel(decode_split, decode),)
+    )
+    q, k, v = (
+        torch.randn(1, 300, 8, 128).bfloat16(),
+        torch.randn(1, 9, 2, 128).bfloat16(),
+        torch.randn(1, 9, 2, 128).bfloat16(),
+    )
+    lengths = torch.tensor([5], dtype=torch.int32)
+    assert kernel(q, k, v, seqused_k=lengths) == "decode result"
+    assert kernel(q[:, :16], k, v) == "decode result"
+    assert launched == [(300, ["lse", "out", "seqused_k"]), (16, ["lse", "out"])]
+    with pytest.raises(ValueError, match="q is on cpu"):  # longer plain launches: the forward kernel
+        kernel(q[:, :17], k, v)
+    documents = fa4gen.AttentionSpec(head_dim=128, causal=True, mask="document")
+    plain = AttentionKernel(documents, fa4gen.plan(documents, "sm_90a"), Recorder())
+    with pytest.raises(ValueError, match="seqused_k= needs the decode kernel.*mask: document"):
+        plain(q, k, v, seqused_k=lengths)
+
+
+@pytest.mark.parametrize(
+    "lengths, message",
+    [
+        ("5", "seqused_k must be a torch.Tensor"),
+        (torch.tensor([5, 6]), "int32 of shape \\(2,\\), got torch.int64"),
+        (torch.tensor([5], dtype=torch.int32), "of shape \\(2,\\)"),
+        (torch.tensor([[5, 6]], dtype=torch.int32), "of shape \\(2,\\)"),
+        (torch.tensor([5, 0, 6, 0], dtype=torch.int32)[::2], "must be contiguous"),
+    ],
+)
+def test_bad_cache_lengths_raise_naming_the_argument(lengths, message):
+    from fa4gen.runtime import check_cache_lengths
+
+    with pytest.raises(ValueError, match=message):
+        check_cache_lengths(lengths, 2, torch.device("cpu"))
+    check_cache_lengths(torch.tensor([5, 0], dtype=torch.int32), 2, torch.device("cpu"))

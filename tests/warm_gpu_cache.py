@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_cases import (
     AUTOGRAD_CASES,
     backward_specs,
+    decode_specs,
     example_specs,
     first_call_cases,
     gpu_specs,
@@ -50,7 +51,8 @@ def integration_specs() -> dict[str, fa4gen.AttentionSpec]:
 def main(cache_dir: str) -> None:
     tails = {f"pair-tail/{name}": spec for name, (spec, _) in pair_tail_specs().items()}
     hf = {f"hf/{name}": spec for name, spec in hf_gpu_specs().items()}
-    every = {**gpu_specs(), **variant_specs(), **example_specs(), **tails, **hf, **integration_specs()}
+    decode = {f"decode/{name}": spec for name, spec in decode_specs().items()}
+    every = {**gpu_specs(), **variant_specs(), **example_specs(), **tails, **hf, **integration_specs(), **decode}
     for name, spec in every.items():
         started = time.perf_counter()
         result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)

@@ -28,7 +28,8 @@ def plan(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> Plan:
 
 def seqlen_splits(spec: AttentionSpec, arch: Arch | str = Arch.SM90A) -> tuple[SeqlenSplit, ...]:
     """The plans that launches with query sequences in a given range run instead of
-    ``plan(spec, arch)`` (``fa4gen.compile`` picks per call; the ranges do not overlap)."""
+    ``plan(spec, arch)`` (``fa4gen.compile`` picks per call: the first range that covers a
+    length runs it, so the decode range, first, takes the shortest lengths from the short one)."""
     return _SPLIT_PLANNERS[require_supported(arch)](spec)
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from fa4gen.arch import WARPGROUP_THREADS
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem, bwd_smem_bytes
 from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, config_smem_bytes, split_partial_words
+from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem, decode_smem_bytes
 
 
 class Plan(BaseModel):
@@ -23,18 +24,25 @@ class Plan(BaseModel):
 
     arch: str
     kernel: str  # kernel class that runs this plan
-    config: Sm90FwdConfig | Sm90BwdConfig  # the forward's, or the backward's (kernel HopperAttentionBackward)
+    # the forward's, the backward's (kernel HopperAttentionBackward) or decode's (HopperAttentionDecode)
+    config: Sm90FwdConfig | Sm90BwdConfig | Sm90DecodeConfig
     reasons: dict[str, str]  # config field -> why (fields the spec fixes have none)
 
     @property
     def smem_bytes(self) -> int:
         if isinstance(self.config, Sm90BwdConfig):
             return bwd_smem_bytes(self.config)
+        if isinstance(self.config, Sm90DecodeConfig):
+            return decode_smem_bytes(self.config)
         return config_smem_bytes(self.config)
 
     @property
     def is_backward(self) -> bool:
         return isinstance(self.config, Sm90BwdConfig)
+
+    @property
+    def is_decode(self) -> bool:
+        return isinstance(self.config, Sm90DecodeConfig)
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
@@ -88,6 +96,8 @@ def plan_problem(p: Plan) -> str:
     """Why the GPU cannot run ``p`` ("" when it can): the kernel family's one check."""
     if isinstance(p.config, Sm90BwdConfig):
         return bwd_config_problem(p.config)
+    if isinstance(p.config, Sm90DecodeConfig):
+        return decode_config_problem(p.config)
     return config_problem(p.config)
 
 
@@ -96,7 +106,7 @@ def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] |
     (split_partial_words), thread fastest; its int32 flags are the first two modes. None
     without a split tail."""
     c = p.config
-    if p.is_backward or not c.split_tail:
+    if not isinstance(c, Sm90FwdConfig) or not c.split_tail:
         return None
     return num_ctas, c.num_consumer_warpgroups, split_partial_words(c.head_dim_v_padded), WARPGROUP_THREADS
 

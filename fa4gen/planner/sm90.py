@@ -18,6 +18,7 @@ from fa4gen.kernels.sm90.config import (
     smem_bytes,
 )
 from fa4gen.planner.model import Plan, SeqlenSplit
+from fa4gen.planner.sm90_decode import decode_split
 from fa4gen.planner.sm90_tables import (
     FIRST_CALL_TILE_N,
     INTERIOR_FIRST_TILE_MAX_D,
@@ -294,8 +295,8 @@ FIRST_CALL_OFF = {
 def first_call_sm90(p: Plan) -> Plan | None:
     """What a first call runs while ``p`` builds in the background: ``p`` without the options that
     only add code for speed, on key tiles of at most FIRST_CALL_TILE_N; None where that is ``p``
-    (a backward has no first-call plan)."""
-    if p.is_backward:
+    (a backward has no first-call plan, nor decode, whose one loop body compiles in seconds)."""
+    if p.is_backward or p.is_decode:
         return None
     update = {name: False for name in FIRST_CALL_OFF if getattr(p.config, name)}
     reasons = {name: f"first calls: {FIRST_CALL_OFF[name]} (decision first-call-plan)" for name in update}
@@ -349,4 +350,7 @@ def splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
         )
     if long_split is not None:
         splits.append(long_split)
+    decode = decode_split(spec)
+    if decode is not None:  # the first range that covers a length is the one that runs it
+        splits.insert(0, decode)
     return tuple(splits)

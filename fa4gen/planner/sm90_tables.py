@@ -273,3 +273,34 @@ SM90_BWD_PLAIN_WIDE_ROWS = BwdTileRow(
     "no soft cap or score modifier has the registers (decision bwd-tiles)",
 )
 SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split
+
+
+@dataclass(frozen=True)
+class DecodeTileRow:
+    """The decode kernel's keys per step, ring depth and CTAs per SM for head dims up to
+    ``max_head_dim``."""
+
+    max_head_dim: int
+    tile_n: int
+    kv_stages: int
+    ctas_per_sm: int
+    reason: str
+
+
+# A decode step is latency-bound (Q.K^T, softmax and P.V in a chain, 4-64 of its 64 rows real):
+# two CTAs per SM run two chains, where shared memory lets them (113 KB each at d128). Their
+# rings keep 3 x 32-64 KB of K/V in flight per CTA, past the ~36 KB an SM's share of HBM
+# bandwidth needs over a microsecond of latency.
+SM90_DECODE_TILES = (
+    DecodeTileRow(64, 128, 3, 2, "d <= 64: 128 keys, 3 stages of 32 KB, 2 CTAs per SM"),
+    DecodeTileRow(128, 64, 3, 2, "d <= 128: 64 keys, 3 stages of 32 KB, 2 CTAs per SM"),
+    DecodeTileRow(256, 64, 3, 1, "d > 128: 64 keys, 3 stages of up to 64 KB, one CTA per SM"),
+)
+# producer, consumer warpgroup: the producer only issues TMA; 256 registers per thread pair fit
+# two CTAs of 256 threads per SM
+SM90_DECODE_REGISTER_SPLIT = (24, 232)
+# Query lengths the decode kernel takes (packed rows = Sq x G, one 64-row tile): GQA launches up to
+# 64 packed rows; MHA (nothing to pack) only up to 16 query rows, where a launch still leaves SMs
+# idle without split-KV and the forward's overlapped steps win past it.
+DECODE_MAX_PACKED_ROWS = 64
+DECODE_MAX_ROWS_MHA = 16

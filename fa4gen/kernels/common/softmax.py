@@ -210,7 +210,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def finalize(
-        self, out_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, sink=None, weights=None
+        self,
+        out_mn: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        lse: cute.Tensor,
+        sink=None,
+        weights=None,
+        row_sinks=None,
     ):
         """Normalise the output rows; write each row's natural-log LSE (-inf for empty rows).
 
@@ -218,14 +225,16 @@ class OnlineSoftmax:
         denominator that carries no value (attention sinks); a row that sees no key then gets
         O = 0 and LSE = sink. ``weights`` (2 x rows, or None): a split tile's weight of the own
         O per row (applied here) and of another partial O (row_sum already counts both; the
-        normalisation is folded into it in place, for the caller to add that O with)."""
+        normalisation is folded into it in place, for the caller to add that O with).
+        ``row_sinks`` (a tensor, one logit per row): a sink per row, where rows belong to
+        different heads (decode's packed query heads)."""
         scale = Float32(self.scale_log2)
         for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=QUAD)
             top = row_max[r] * scale  # log2 units; -inf for a row without keys
             weight = Float32(1.0)  # what the accumulated O and total are worth at the final max
-            if cutlass.const_expr(sink is not None):
-                sink_log2 = sink * Float32(1.0 / LN2)
+            if cutlass.const_expr(sink is not None or row_sinks is not None):
+                sink_log2 = (sink if cutlass.const_expr(row_sinks is None) else row_sinks[r]) * Float32(1.0 / LN2)
                 final = cute.arch.fmax(top, sink_log2)
                 weight = cute.math.exp2(top - final, fastmath=True)
                 total = total * weight + cute.math.exp2(sink_log2 - final, fastmath=True)

@@ -1,0 +1,517 @@
+"""Hopper (sm_90a) decode: short queries over a KV cache, a group's query heads packed into one tile.
+
+A CTA takes one (query tile, key split, KV head, batch entry). Its 64 rows are packed query rows
+of the KV head's group: packed row r is query index r // G of query head kv_head * G + r % G
+(G = qhead_per_kvhead), so the G query heads share every K/V tile the CTA loads, where one CTA
+per query head would read the group's K/V G times. Warpgroup 0's first warp loads K and V by TMA
+into a ring; warpgroup 1 loads the tile's Q rows itself (their addresses follow the packing, not
+one TMA box), then per key tile: S = Q.K^T (wgmma), score modifier, mask, online softmax,
+O += P.V with P from registers. Decode is bound by the K/V bytes, so the steps do not overlap
+their MMAs with the softmax as the forward does: the ring keeps the loads streaming meanwhile.
+
+Each batch entry's keys end at its own cache length (``seqused_k``, at most the cache's Sk):
+masks and score modifiers see that length as Sk, and query row i sits at key position
+i + length - Sq. The visible key tiles of a query tile are split evenly over ``num_splits`` CTAs
+(a run-time value, fa4gen.kernels.sm90.decode_config.decode_splits). With one split the CTA
+writes O and the LSE; with more, each writes its normalised partial O (fp32) and LSE, and a
+second kernel (``combine``) merges a row's partials by their LSE, adding the sink there.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
+from fa4gen.kernels.common.masking import KeyTileRange
+from fa4gen.kernels.common.softmax import LN2, OnlineSoftmax
+from fa4gen.kernels.common.variant import VariantArgs
+from fa4gen.kernels.sm90.config import NamedBarrier
+from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.producer import tma_pipeline
+
+SMEM_ALIGN = 1024
+Q_VECTOR = 8  # 16-bit elements per 16-byte load of a Q row
+COMBINE_WARPS = 4  # packed rows per combine CTA (a warp each)
+
+
+def packed_rows(t: cute.Tensor, group: int) -> cute.Tensor:
+    """(B, S, Hq, D) as ((G, S), D, Hkv, B): packed row g + G * s of KV head h is query index s
+    of query head h * G + g."""
+    s_b, s_s, s_h, s_d = t.layout.stride
+    b, s, hq, d = t.layout.shape
+    layout = cute.make_layout(((group, s), d, hq // group, b), stride=((s_h, s_s), s_d, s_h * group, s_b))
+    return cute.make_tensor(t.iterator, layout)
+
+
+def packed_lse(t: cute.Tensor, group: int) -> cute.Tensor:
+    """(B, Hq, S) as ((G, S), Hkv, B), packed as ``packed_rows``."""
+    s_b, s_h, s_s = t.layout.stride
+    b, hq, s = t.layout.shape
+    return cute.make_tensor(
+        t.iterator, cute.make_layout(((group, s), hq // group, b), stride=((s_h, s_s), s_h * group, s_b))
+    )
+
+
+class HopperAttentionDecode:
+    """One compiled decode kernel (and its split combine): ``config`` is the planner's
+    Sm90DecodeConfig; score_mod and mask_mod the variant's hooks from the emitted module."""
+
+    def __init__(
+        self, config: Sm90DecodeConfig, score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None
+    ):
+        problem = decode_config_problem(config)
+        assert not problem, problem
+        assert (mask_mod is not None) == config.expression_mask, "an expression mask comes with its mask_mod"
+        self.cfg = config
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
+        self.tile_n, self.kv_stages = config.tile_n, config.kv_stages
+        self.group = config.qhead_per_kvhead
+        # row ranges by query index (not packed row): the tile height only matters to bounds()
+        self.key_tiles = KeyTileRange(WGMMA_M, self.tile_n, config.window_left, config.window_right, config.chunk)
+        self.has_left_mask = config.window_left is not None or config.chunk is not None
+        self.softmax = OnlineSoftmax(config.scale_log2, num_rows=2, rescale_threshold=config.rescale_threshold)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D): the cache, Sk its capacity
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: Optional[cute.Tensor],  # (B, Hq, Sq) fp32, or None
+        mOPart: cute.Tensor,  # (splits, B, Sq, Hq, Dv) fp32: the partial outputs (read with 2+ splits)
+        mLSEPart: cute.Tensor,  # (splits, B, Hq, Sq) fp32: their LSE
+        mSeqUsedK: cute.Tensor,  # (B,) int32: each batch entry's cache length
+        num_splits: Int32,
+        extras: tuple,
+        stream: cuda.CUstream,
+    ):
+        self.dtype = mQ.element_type
+        G = self.group
+        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))  # (S, D, H, B)
+        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))  # (Dv, S, H, B)
+        sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        stage = (None, None, 0)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
+        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, cute.slice_(sV_layout, stage), (self.dv, self.tile_n))
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, stage))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, stage))
+
+        @cute.struct
+        class SharedStorage:
+            bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+        q, o = packed_rows(mQ, G), packed_rows(mO, G)
+        # the partials' split mode goes last: ((G, S), Dv, Hkv, B, splits) and ((G, S), Hkv, B, splits)
+        o_part = cute.make_tensor(mOPart.iterator, cute.select(mOPart.layout, mode=[1, 2, 3, 4, 0]))
+        lse_part = cute.make_tensor(mLSEPart.iterator, cute.select(mLSEPart.layout, mode=[1, 2, 3, 0]))
+        o_part = self._packed_parts(o_part, G)
+        lse_part = self._packed_lse_parts(lse_part, G)
+        lse = None
+        if cutlass.const_expr(mLSE is not None):
+            lse = packed_lse(mLSE, G)
+        rows = mQ.shape[1] * G
+        m_blocks = cute.ceil_div(rows, WGMMA_M)
+        kv_heads, batch = mK.shape[2], mQ.shape[0]
+        self.kernel(
+            tma_k,
+            tma_k_t,
+            tma_v,
+            tma_v_t,
+            q,
+            o,
+            lse,
+            o_part,
+            lse_part,
+            mSeqUsedK,
+            num_splits,
+            mQ.shape[1],
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            extras,
+        ).launch(
+            grid=(m_blocks * num_splits, kv_heads, batch),
+            block=[2 * WARPGROUP_THREADS, 1, 1],
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.cfg.ctas_per_sm,
+            # all of the SM's memory as shared memory, given here: else the DSL asks the device
+            # for it while tracing (artifacts depend on no device)
+            preferred_smem_carveout=100,
+        )
+        if num_splits > 1:
+            self.combine(o_part, lse_part, o, lse, num_splits, mQ.shape[1], extras).launch(
+                grid=(cute.ceil_div(rows, COMBINE_WARPS), kv_heads, batch),
+                block=[COMBINE_WARPS * 32, 1, 1],
+                stream=stream,
+            )
+
+    @staticmethod
+    def _packed_parts(t: cute.Tensor, group: int) -> cute.Tensor:
+        """(B, Sq, Hq, Dv, splits) as ((G, Sq), Dv, Hkv, B, splits)."""
+        s_b, s_s, s_h, s_d, s_p = t.layout.stride
+        b, s, hq, d, p = t.layout.shape
+        layout = cute.make_layout(((group, s), d, hq // group, b, p), stride=((s_h, s_s), s_d, s_h * group, s_b, s_p))
+        return cute.make_tensor(t.iterator, layout)
+
+    @staticmethod
+    def _packed_lse_parts(t: cute.Tensor, group: int) -> cute.Tensor:
+        """(B, Hq, Sq, splits) as ((G, Sq), Hkv, B, splits)."""
+        s_b, s_h, s_s, s_p = t.layout.stride
+        b, hq, s, p = t.layout.shape
+        layout = cute.make_layout(((group, s), hq // group, b, p), stride=((s_h, s_s), s_h * group, s_b, s_p))
+        return cute.make_tensor(t.iterator, layout)
+
+    def _smem_layouts(self):
+        """Q: 64 packed rows (the Q.K^T A operand); K and V one stage per ring slot (V as the
+        P.V B operand, MN-major)."""
+        sQ = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), self.dtype, 1)
+        sK = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), self.dtype, self.kv_stages
+        )
+        sV = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (WGMMA_M, self.dv, self.tile_n), self.dtype, self.kv_stages
+        )
+        return sQ, sK, sV
+
+    def _mma(self, n: int, b_major, a_source, accumulate: bool) -> cute.TiledMma:
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, b_major, Float32, (1, 1, 1), (WGMMA_M, n), a_source
+        )
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        return mma
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_k,
+        mK,
+        tma_v,
+        mVt,
+        mQ,
+        mO,
+        mLSE: Optional[cute.Tensor],
+        mOPart,
+        mLSEPart,
+        mSeqUsedK,
+        num_splits: Int32,
+        seqlen_q: Int32,
+        sQ_layout,
+        sK_layout,
+        sV_layout,
+        extras: tuple,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        pipe_k = tma_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, 1)
+        pipe_v = tma_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        args = VariantArgs(self.cfg.extra_names, extras)
+        work = self.work_of(mSeqUsedK, mK.shape[0], num_splits, seqlen_q, args)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp_idx == 0:
+                self.produce(tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, work)
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, pipe_k, pipe_v, work, num_splits, args)
+
+    @cute.jit
+    def work_of(self, mSeqUsedK, capacity: Int32, num_splits: Int32, seqlen_q: Int32, args):
+        """This CTA's (m_block, split, kv_head, batch, Sq, cache length, first key tile, key
+        tiles, split_lo, split_hi) (``key_run``)."""
+        bx, kv_head, batch = cute.arch.block_idx()
+        m_block, split = bx // num_splits, bx % num_splits
+        # a length past the cache's capacity (or below 0) is clamped: no load leaves the cache
+        length = cutlass.min(cutlass.max(mSeqUsedK[batch], 0), capacity)
+        lo, count, split_lo, split_hi = self.key_run(m_block, split, num_splits, batch, seqlen_q, length, args)
+        return (m_block, split, kv_head, batch, seqlen_q, length, lo, count, split_lo, split_hi)
+
+    @cute.jit
+    def key_run(
+        self, m_block: Int32, split: Int32, num_splits: Int32, batch: Int32, seqlen_q: Int32, length: Int32, args
+    ):
+        """(first key tile, key tiles, split_lo, split_hi) of split ``split`` of packed query tile
+        ``m_block``: the tiles holding a key one of its rows sees (from its first and last rows'
+        query indices: masking.bounds_of_rows), cut into num_splits even runs (the last ones
+        may be short or empty)."""
+        first_row = m_block * WGMMA_M
+        last_row = cutlass.min(first_row + WGMMA_M, seqlen_q * self.group) - 1
+        first_start, first_end = self.key_tiles.row_range(first_row // self.group, batch, seqlen_q, length, args)
+        last_start, last_end = self.key_tiles.row_range(last_row // self.group, batch, seqlen_q, length, args)
+        n_min, split_lo, split_hi, n_max = self.key_tiles.bounds_of_rows(
+            first_start, first_end, last_start, last_end, length
+        )
+        per_split = cute.ceil_div(cutlass.max(n_max - n_min, 0), num_splits)
+        lo = n_min + split * per_split
+        count = cutlass.max(cutlass.min(lo + per_split, n_max) - lo, 0)
+        return lo, count, split_lo, split_hi
+
+    @cute.jit
+    def produce(self, tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, work):
+        """One warp: the CTA's key tiles lo .. lo+count-1, K then V, each into the ring's next stage."""
+        _, _, kv_head, batch, _, _, lo, count, _, _ = work
+        one = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.dqk), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, kv_head, batch], (self.dv, self.tile_n), (0, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gVt, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        for i in cutlass.range(count, unroll=1):
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKg[None, lo + i], tKs[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVg[None, lo + i], tVs[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def load_q(self, mQ, sQ, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, wtidx: Int32):
+        """The tile's 64 packed Q rows into shared memory, 16 bytes per load; rows past the
+        group's Sq x G and columns past the head dim are zero. Ordered before the warpgroup's
+        MMAs read them (generic-proxy stores, async-proxy reads)."""
+        gQ = mQ[None, None, kv_head, batch]  # ((G, Sq), D)
+        rows = seqlen_q * self.group
+        vectors = self.dqk // Q_VECTOR
+        chunk = cute.make_rmem_tensor(cute.make_layout(Q_VECTOR), self.dtype)
+        for i in cutlass.range_constexpr(WGMMA_M * vectors // WARPGROUP_THREADS):
+            v = wtidx + i * WARPGROUP_THREADS
+            row, col = v // vectors, v % vectors * Q_VECTOR
+            packed = m_block * WGMMA_M + row
+            chunk.fill(0.0)
+            if packed < rows and col < self.cfg.head_dim:
+                for j in cutlass.range_constexpr(Q_VECTOR):
+                    chunk[j] = gQ[packed, col + j]
+            for j in cutlass.range_constexpr(Q_VECTOR):
+                sQ[row, col + j] = chunk[j]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, pipe_k, pipe_v, work, num_splits: Int32, args):
+        """The consumer warpgroup: Q, then every key tile of its run, then its output."""
+        m_block, split, kv_head, batch, seqlen_q, length, lo, count, split_lo, split_hi = work
+        wtidx = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
+        self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx)
+        qk_mma = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, False)
+        qk_acc = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, True)
+        pv_mma = self._mma(self.dv, OperandMajorMode.MN, warpgroup.OperandSource.RMEM, True)
+        thr_qk, thr_pv = qk_mma.get_slice(wtidx), pv_mma.get_slice(wtidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        coords = rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, self.tile_n))))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.dv)))
+        acc_o.fill(0.0)
+        p = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, self.tile_n)), self.dtype)
+        row_max, row_sum = self.softmax.make_state()
+        # each of the thread's rows: its query index and head, and its visible keys
+        queries, heads, starts, ends = self.row_positions(coords, m_block, kv_head, batch, seqlen_q, length, args)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        for i in cutlass.range(count, unroll=1):
+            n_block = lo + i
+            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
+            pipe_k.consumer_wait(k_state)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                mma = qk_mma if kb == 0 else qk_acc
+                cute.gemm(mma, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, k_state.index], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(k_state)
+            scores = rows_cols_view(acc_s)
+            self.scores_of_tile(
+                scores, coords, n_block, queries, heads, starts, ends, batch, seqlen_q, length, split_lo, split_hi, args
+            )
+            correction = self.softmax.update(scores, row_max, row_sum)
+            # (with a rescale threshold the conversions stay above the rescale's branch: mainloop.store_p)
+            store_as_operand_a(acc_s, p, self.softmax.rescale_threshold > 0.0)
+            self.softmax.rescale(rows_cols_view(acc_o), correction)
+            pipe_v.consumer_wait(v_state)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
+                cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_state.index], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
+            k_state.advance()
+            v_state.advance()
+        o_coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((WGMMA_M, self.dv))))
+        self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, mOPart, mLSEPart, work, num_splits, args)
+
+    @cute.jit
+    def row_positions(self, coords, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, length: Int32, args):
+        """Per row of this thread: query index, query head, and [start, end) of its keys."""
+        rows = cute.size(coords, mode=[0])
+        queries = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        heads = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        starts = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        ends = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
+        for r in cutlass.range_constexpr(rows):
+            packed = m_block * WGMMA_M + coords[r, 0][0]
+            query = cutlass.min(packed // self.group, seqlen_q - 1)  # rows past Sq x G are discarded
+            queries[r] = query
+            heads[r] = kv_head * self.group + packed % self.group
+            starts[r], ends[r] = self.key_tiles.row_range(query, batch, seqlen_q, length, args)
+        return queries, heads, starts, ends
+
+    @cute.jit
+    def scores_of_tile(
+        self,
+        scores,
+        coords,
+        n_block: Int32,
+        queries,
+        heads,
+        starts,
+        ends,
+        batch,
+        seqlen_q,
+        length,
+        split_lo,
+        split_hi,
+        args,
+    ):
+        """Score modifier and masks of key tile ``n_block`` (the ragged end of the cache length
+        and any bound crossing the tile; an expression mask on every tile)."""
+        col_base = n_block * self.tile_n
+        if cutlass.const_expr(self.score_mod is not None):
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    scores[r, c] = self.score_mod(
+                        scores[r, c], batch, heads[r], queries[r], col_base + coords[0, c][1], seqlen_q, length, args
+                    )
+        if n_block >= split_hi or n_block < split_lo:
+            self.key_tiles.apply(scores, coords, starts, ends, col_base, n_block < split_lo)
+        if cutlass.const_expr(self.mask_mod is not None):
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    visible = self.mask_mod(
+                        batch, heads[r], queries[r], col_base + coords[0, c][1], seqlen_q, length, args
+                    )
+                    scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
+
+    @cute.jit
+    def store(
+        self, acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, mOPart, mLSEPart, work, num_splits: Int32, args
+    ):
+        """With one split: O normalised (the sink in its denominator) and the LSE. With more:
+        this split's O normalised by its own sum, fp32, and its LSE, for ``combine``."""
+        m_block, split, kv_head, batch, seqlen_q, _, _, _, _, _ = work
+        out = rows_cols_view(acc_o)
+        lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        rows = seqlen_q * self.group
+        if num_splits == 1:
+            sinks = None
+            if cutlass.const_expr(self.cfg.sinks):
+                sinks = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                for r in cutlass.range_constexpr(2):
+                    sinks[r] = Float32(args.sinks[heads[r]])
+            self.softmax.finalize(out, row_max, row_sum, lse, row_sinks=sinks)
+            self.write_rows(out, o_coords, lse, m_block, rows, mO[None, None, kv_head, batch], mLSE, kv_head, batch)
+        else:
+            self.softmax.finalize(out, row_max, row_sum, lse)
+            self.write_rows(
+                out,
+                o_coords,
+                lse,
+                m_block,
+                rows,
+                mOPart[None, None, kv_head, batch, split],
+                mLSEPart[None, kv_head, batch, split],
+                None,
+                None,
+            )
+
+    @cute.jit
+    def write_rows(self, out, o_coords, lse, m_block: Int32, rows: Int32, gO, gLSE, kv_head, batch):
+        """This thread's O elements of rows below ``rows`` (in gO's type) and, from the thread
+        holding a row's first column, its LSE (``gLSE``: packed rows, or None; indexed with
+        kv_head and batch where they are given)."""
+        for r in cutlass.range_constexpr(cute.size(out, mode=[0])):
+            packed = m_block * WGMMA_M + o_coords[r, 0][0]
+            if packed < rows:
+                for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
+                    col = o_coords[0, c][1]
+                    if col < self.cfg.head_dim_v:
+                        gO[packed, col] = out[r, c].to(gO.element_type)
+                if cutlass.const_expr(gLSE is not None):
+                    if o_coords[0, 0][1] == 0:
+                        if cutlass.const_expr(kv_head is None):
+                            gLSE[packed] = lse[r]
+                        else:
+                            gLSE[packed, kv_head, batch] = lse[r]
+
+    # ------------------------------------------------------------------ split combine
+    @cute.kernel
+    def combine(self, mOPart, mLSEPart, mO, mLSE: Optional[cute.Tensor], num_splits: Int32, seqlen_q: Int32, extras):
+        """One warp per packed row: O = sum_s exp(lse_s - lse) O_s over the splits, with
+        lse = log(sum_s exp(lse_s) + exp(sink)); lanes take columns lane, lane + 32, ..."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, kv_head, batch = cute.arch.block_idx()
+        lane = tidx % 32
+        packed = bx * COMBINE_WARPS + tidx // 32
+        args = VariantArgs(self.cfg.extra_names, extras)
+        if packed < seqlen_q * self.group:
+            log2e = Float32(1.0 / LN2)
+            top = -Float32.inf
+            for s in cutlass.range(num_splits, unroll=1):
+                top = cute.arch.fmax(top, mLSEPart[packed, kv_head, batch, s] * log2e)
+            sink = Float32(0.0)
+            if cutlass.const_expr(self.cfg.sinks):
+                sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
+                top = cute.arch.fmax(top, sink)
+            safe = top
+            if top == -Float32.inf:
+                safe = Float32(0.0)
+            columns = cute.ceil_div(self.dv, 32)
+            acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
+            acc.fill(0.0)
+            total = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                weight = cute.math.exp2(mLSEPart[packed, kv_head, batch, s] * log2e - safe, fastmath=True)
+                total = total + weight
+                for j in cutlass.range_constexpr(columns):
+                    col = lane + 32 * j
+                    if col < self.cfg.head_dim_v:
+                        acc[j] = acc[j] + weight * mOPart[packed, col, kv_head, batch, s]
+            if cutlass.const_expr(self.cfg.sinks):
+                total = total + cute.math.exp2(sink - safe, fastmath=True)
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > Float32(0.0):
+                inv = cute.arch.rcp_approx(total)
+                lse = (safe + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+            for j in cutlass.range_constexpr(columns):
+                col = lane + 32 * j
+                if col < self.cfg.head_dim_v:
+                    mO[packed, col, kv_head, batch] = (acc[j] * inv).to(mO.element_type)
+            if cutlass.const_expr(mLSE is not None):
+                if lane == 0:
+                    mLSE[packed, kv_head, batch] = lse

@@ -1,0 +1,104 @@
+"""The Hopper decode kernel's configuration (fa4gen.kernels.sm90.decode) and its one check.
+
+Decode and short queries over a KV cache: a CTA takes one KV head of one batch entry and packs
+the query rows of all the head's query heads into its 64-row tile (row = query index x group
+size + query head in the group), so every K/V tile is read once per group, not once per query
+head; the keys of a (batch, KV head) may be split over several CTAs (split-KV), whose partial
+outputs one more kernel merges by their LSE. The split count is a run-time argument (the host
+picks it from the problem size and the SM count: ``decode_splits``), never a recompile.
+
+Like config.py this module imports no CuTe DSL: the planner, ``fa4gen.build`` and the kernel's
+constructor all call ``decode_config_problem``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict
+
+from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M, Arch
+from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
+
+MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
+
+
+class Sm90DecodeConfig(BaseModel):
+    """Compile-time constants of one Hopper decode kernel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the variant (from the spec)
+    head_dim: int
+    head_dim_v: int
+    qhead_per_kvhead: int  # query heads packed into a tile's rows
+    scale_log2: float
+    window_left: int | None
+    window_right: int | None
+    chunk: int | None
+    expression_mask: bool
+    sinks: bool
+    return_lse: bool
+    extra_names: tuple[str, ...]
+    # the schedule (from the planner)
+    head_dim_padded: int
+    head_dim_v_padded: int
+    tile_n: int  # keys per step
+    kv_stages: int  # depth of the K and V rings
+    ctas_per_sm: int  # CTAs one SM holds at once (shared memory and registers split between them)
+    rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
+    producer_regs: int
+    consumer_regs: int
+
+    @property
+    def tile_m(self) -> int:
+        """Packed query rows per CTA (query index x group size + head in the group)."""
+        return WGMMA_M
+
+
+def decode_smem_bytes(c: Sm90DecodeConfig) -> int:
+    """Q (64 packed rows) + the K/V ring."""
+    q = WGMMA_M * c.head_dim_padded
+    kv = c.kv_stages * c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
+    return (q + kv) * ELEMENT_BYTES + SMEM_RESERVE_BYTES
+
+
+def decode_config_problem(c: Sm90DecodeConfig) -> str:
+    """Why the GPU cannot run ``c`` ("" when it can)."""
+    for name in ("head_dim_padded", "head_dim_v_padded", "tile_n"):
+        if getattr(c, name) <= 0 or getattr(c, name) % MMA_K_GRANULE:
+            return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
+    if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
+        return "the padded head dims must hold the head dims"
+    if c.tile_n > 256 or c.kv_stages < 2 or c.ctas_per_sm not in (1, 2):
+        return "tile_n must be at most 256, kv_stages at least 2 and ctas_per_sm 1 or 2"
+    smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + c.consumer_regs)
+    if c.ctas_per_sm > 1:
+        caps = Arch.SM90A.caps
+        per_cta = caps.smem_bytes_per_sm // c.ctas_per_sm - caps.smem_reserved_per_cta
+        pool = caps.registers_per_sm // c.ctas_per_sm
+        if smem > per_cta or registers > pool:
+            return (
+                f"{c.ctas_per_sm} CTAs per SM take at most {per_cta} bytes of shared memory and {pool} registers each"
+            )
+    return resource_problem(smem, c.producer_regs, c.consumer_regs, 1)
+
+
+def decode_rows(seqlen_q: int, qhead_per_kvhead: int) -> int:
+    """Packed query rows of one (batch, KV head)."""
+    return seqlen_q * qhead_per_kvhead
+
+
+def decode_splits(
+    batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int, qhead_per_kvhead: int, tile_n: int, slots: int
+) -> int:
+    """How many CTAs share the keys of one (batch, KV head, query tile): enough to fill the
+    ``slots`` (SMs x CTAs per SM), no more than leaves each at least four key tiles (shorter
+    runs pay more for their prologue, epilogue and partial than they save), and one where the
+    launch already fills the slots."""
+    tiles = math.ceil(decode_rows(seqlen_q, qhead_per_kvhead) / WGMMA_M)
+    ctas = max(batch * kv_heads * tiles, 1)
+    if ctas >= slots * 0.8:
+        return 1
+    key_tiles = max(math.ceil(seqlen_k / tile_n), 1)
+    return max(1, min(slots // ctas, key_tiles // 4, MAX_SPLITS))

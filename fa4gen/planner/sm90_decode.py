@@ -1,0 +1,112 @@
+"""The sm_90a decode planner: spec -> Sm90DecodeConfig, with a reason per choice.
+
+Decode runs short query sequences over a KV cache (fa4gen.kernels.sm90.decode): the query rows
+of a KV head's group packed into one tile, the keys split over CTAs at run time. ``decode_problem``
+says which variants have no decode kernel; their launches stay on the forward kernel.
+"""
+
+from __future__ import annotations
+
+from fa4gen.arch import MMA_K_GRANULE, WGMMA_M
+from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem
+from fa4gen.planner.model import Plan, SeqlenSplit
+from fa4gen.planner.sm90_tables import (
+    DECODE_MAX_PACKED_ROWS,
+    DECODE_MAX_ROWS_MHA,
+    RESCALE_THRESHOLD_LOG2,
+    SM90_DECODE_REGISTER_SPLIT,
+    SM90_DECODE_TILES,
+)
+from fa4gen.spec import AttentionSpec
+
+KERNEL = "HopperAttentionDecode"
+VARIANT_FIELDS = (
+    "head_dim",
+    "head_dim_v",
+    "qhead_per_kvhead",
+    "scale_log2",
+    "window_left",
+    "window_right",
+    "chunk",
+    "expression_mask",
+    "sinks",
+    "return_lse",
+    "extra_names",
+)
+
+
+def _round_up(value: int, granule: int) -> int:
+    return (value + granule - 1) // granule * granule
+
+
+def decode_problem(spec: AttentionSpec) -> str:
+    """Why ``spec`` has no decode kernel on sm_90a ("" when it has one), naming the spec field."""
+    if spec.mask_kind == "prefix_lm":
+        return "mask: prefix_lm has no decode kernel (its prefix is per batch entry, not per cache)"
+    if spec.is_varlen:
+        return "mask: document (packed sequences) has no decode kernel; pass per-entry cache lengths instead"
+    return ""
+
+
+def decode_max_seqlen_q(spec: AttentionSpec) -> int:
+    """The longest query sequence a plain launch (no cache lengths) runs on the decode kernel."""
+    if spec.qhead_per_kvhead == 1:
+        return DECODE_MAX_ROWS_MHA
+    return max(1, DECODE_MAX_PACKED_ROWS // spec.qhead_per_kvhead)
+
+
+def plan_decode_sm90(spec: AttentionSpec) -> Plan:
+    """The decode kernel's plan; ValueError naming the field where the variant has none."""
+    problem = decode_problem(spec)
+    if problem:
+        raise ValueError(problem)
+    from fa4gen.planner.sm90 import variant_fields
+
+    variant = {name: value for name, value in variant_fields(spec).items() if name in VARIANT_FIELDS}
+    dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
+    row = next(r for r in SM90_DECODE_TILES if max(dqk, dv) <= r.max_head_dim)
+    producer_regs, consumer_regs = SM90_DECODE_REGISTER_SPLIT
+    config = Sm90DecodeConfig(
+        **variant,
+        head_dim_padded=dqk,
+        head_dim_v_padded=dv,
+        tile_n=row.tile_n,
+        kv_stages=row.kv_stages,
+        ctas_per_sm=row.ctas_per_sm,
+        rescale_threshold=RESCALE_THRESHOLD_LOG2,
+        producer_regs=producer_regs,
+        consumer_regs=consumer_regs,
+    )
+    problem = decode_config_problem(config)
+    assert not problem, problem
+    regs = "the producer warpgroup only issues TMA; the consumer holds S, P and O"
+    return Plan(
+        arch="sm_90a",
+        kernel=KERNEL,
+        config=config,
+        reasons={
+            **dict.fromkeys(variant, "from the spec"),
+            "head_dim_padded": f"head_dim {spec.head_dim} rounded up to the MMA's K granule {MMA_K_GRANULE}",
+            "head_dim_v_padded": f"head_dim_v {spec.dv} rounded up to {MMA_K_GRANULE}",
+            "tile_n": row.reason,
+            "kv_stages": row.reason,
+            "ctas_per_sm": row.reason,
+            "rescale_threshold": "O rescaled only where a row max grows past 2^8, as in the forward",
+            "producer_regs": regs,
+            "consumer_regs": regs,
+        },
+    )
+
+
+def decode_split(spec: AttentionSpec) -> SeqlenSplit | None:
+    """The decode kernel's length range (None where the variant has none)."""
+    if decode_problem(spec):
+        return None
+    top = decode_max_seqlen_q(spec)
+    packed = f"{spec.qhead_per_kvhead} query heads per KV head packed into {WGMMA_M}-row tiles"
+    why = (
+        f"{packed}: each K/V tile read once per group, keys split over CTAs where the launch leaves SMs idle"
+        if spec.qhead_per_kvhead > 1
+        else "keys split over CTAs where the launch leaves SMs idle"
+    )
+    return SeqlenSplit(label="decode", max_seqlen_q=top, plan=plan_decode_sm90(spec), reason=why)

@@ -1,0 +1,102 @@
+"""The decode kernel's run logic on the CPU (CuTe DSL executes `@cute.jit` host functions here):
+the kernel's own ``key_run`` for every packed query tile and split, against brute force over
+fa4gen.testing.visible_keys (written independently), and the host's split counts."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
+
+import fa4gen
+from fa4gen.kernels.common.variant import VariantArgs
+from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, decode_splits
+from fa4gen.planner.sm90_decode import plan_decode_sm90
+
+GROUP_CASES = {
+    "causal-gqa4": dict(head_dim=128, qhead_per_kvhead=4, causal=True),
+    "dense-gqa6": dict(head_dim=96, qhead_per_kvhead=6),
+    "window-gqa8": dict(head_dim=128, qhead_per_kvhead=8, causal=True, window_left=127),
+    "two-sided-mha": dict(head_dim=64, window_left=200, window_right=40),
+    "chunked-gqa2": dict(head_dim=128, qhead_per_kvhead=2, mask={"kind": "chunked", "size": 256}),
+    "d256-gqa8": dict(head_dim=256, qhead_per_kvhead=8, causal=True),
+}
+# (Sq, cache length): decode, speculative rows, Sq > length (rows before the cache), empty cache
+SIZES = [(1, 1), (1, 1000), (4, 4097), (16, 700), (3, 2), (5, 0), (100, 3000)]
+
+
+def _kernel(spec: fa4gen.AttentionSpec):
+    namespace: dict = {}
+    plan = plan_decode_sm90(spec)
+    exec(compile(fa4gen.emit(spec, plan).source, "<emitted>", "exec"), namespace)  # noqa: S102 - our own output
+    return namespace["make_kernel"]()
+
+
+def _runs(kernel, seqlen_q: int, length: int, splits: int) -> torch.Tensor:
+    """key_run of every (packed query tile, split): (lo, count, split_lo, split_hi)."""
+    tiles = -(-seqlen_q * kernel.group // 64)
+    out = torch.full((tiles, splits, 4), -1, dtype=torch.int32)
+
+    @cute.jit
+    def run(out: cute.Tensor, tiles: Int32, splits: Int32, seqlen_q: Int32, length: Int32):
+        args = VariantArgs((), ())
+        for m in cutlass.range(tiles, unroll=1):
+            for s in cutlass.range(splits, unroll=1):
+                lo, count, split_lo, split_hi = kernel.key_run(m, s, splits, Int32(0), seqlen_q, length, args)
+                out[m, s, 0], out[m, s, 1], out[m, s, 2], out[m, s, 3] = lo, count, split_lo, split_hi
+
+    run(from_dlpack(out), tiles, splits, seqlen_q, length)
+    return out
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "sq{}-len{}".format(*s))
+@pytest.mark.parametrize("name", sorted(GROUP_CASES))
+def test_splits_cover_each_visible_key_tile_once(name, sizes, splits):
+    """Every key tile holding a key some packed row of the tile sees is run by exactly one split,
+    no split runs a tile past the cache length, and a tile that is not fully visible to every
+    row of the tile runs the mask (at or past split_hi, or below split_lo)."""
+    from fa4gen.testing import visible_keys
+
+    spec = fa4gen.AttentionSpec(**GROUP_CASES[name])
+    kernel = _kernel(spec)
+    seqlen_q, length = sizes
+    tile_n, group = kernel.tile_n, kernel.group
+    runs = _runs(kernel, seqlen_q, length, splits)
+    width = max(-(-length // tile_n), 1) * tile_n
+    visible = torch.zeros(seqlen_q, width, dtype=torch.bool)
+    visible[:, :length] = visible_keys(spec, seqlen_q, length)[0, 0] if length else False
+    rows = visible.repeat_interleave(group, dim=0)  # packed row g + G * s is query s
+    for m in range(runs.shape[0]):
+        mine = rows[m * 64 : (m + 1) * 64]
+        seen = []
+        for s in range(splits):
+            lo, count, split_lo, split_hi = runs[m, s].tolist()
+            assert count >= 0
+            seen += list(range(lo, lo + count))
+            for n in range(lo, lo + count):
+                assert n * tile_n < max(length, 1), f"split {s} runs key tile {n} past the cache length {length}"
+                tile = mine[:, n * tile_n : (n + 1) * tile_n]
+                if not tile.all():
+                    assert n >= split_hi or n < split_lo, f"key tile {n} is partial but runs no mask"
+        assert len(seen) == len(set(seen)), f"query tile {m}: a key tile runs in two splits"
+        needed = {n for n in range(width // tile_n) if mine[:, n * tile_n : (n + 1) * tile_n].any()}
+        assert needed <= set(seen), f"query tile {m}: key tiles {sorted(needed - set(seen))} never run"
+
+
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [
+        ((1, 8, 1, 32768, 4, 64, 264), 33),  # Llama-3-8B decode at batch 1: every slot of 2 CTAs per SM
+        ((8, 8, 1, 32768, 4, 64, 264), 4),
+        ((64, 8, 1, 4096, 4, 64, 264), 1),  # the launch fills the slots already
+        ((1, 8, 1, 1024, 4, 64, 264), 4),  # short caches: at least 4 key tiles per split
+        ((1, 1, 1, 10**7, 1, 64, 264), MAX_SPLITS),
+        ((1, 8, 16, 32768, 8, 64, 264), 16),  # 128 packed rows: two query tiles per KV head
+    ],
+)
+def test_split_counts(sizes, expected):
+    assert decode_splits(*sizes) == expected
