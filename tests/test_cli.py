@@ -29,7 +29,8 @@ from fa4gen.planner import first_call_plan, seqlen_splits
 
 SMALL_SPEC = "head_dim: 64\n"
 # the cache tests' spec: one plan, so one entry (an unmasked spec adds its long-range plan)
-CACHE_SPEC = "head_dim: 64\ncausal: true\nwindow_left: 128\n"
+# one plan, one kernel (packed documents have no length ranges): the cache tests count entries
+CACHE_SPEC = "head_dim: 64\ncausal: true\nwindow_left: 128\nmask: document\n"
 ISOLATED_ENV = (
     "FA4GEN_CACHE_DIR",
     "FA4GEN_NO_COMPILE",
@@ -121,9 +122,10 @@ def test_plan_prints_schedule_with_reasons(tmp_path: Path) -> None:
     expected = fa4gen.plan(spec, "sm_90a")
     assert result.exit_code == 0, result.output
     # the plan, then the short range's (4 consumer warpgroups) and the long range's (the split tail)
-    short, long = seqlen_splits(spec, "sm_90a")
-    assert (short.label, long.label) == ("short", "long")
-    assert result.stdout.strip() == f"{expected.describe()}\n\n{short.describe()}\n\n{long.describe()}"
+    decode, short, long = seqlen_splits(spec, "sm_90a")
+    assert (decode.label, short.label, long.label) == ("decode", "short", "long")
+    ranges = "\n\n".join(split.describe() for split in (decode, short, long))
+    assert result.stdout.strip() == f"{expected.describe()}\n\n{ranges}"
     assert "plan for sm_90a" in result.stdout
     assert expected.reasons["tile_n"] in result.stdout
 
@@ -171,19 +173,22 @@ def test_emit_to_stdout_and_file(tmp_path: Path) -> None:
 
 
 def test_plan_and_emit_show_the_plans_of_length_ranges(tmp_path: Path) -> None:
-    """d96 has plans for short and long query sequences: `plan` prints them after the default,
+    """d96 has plans for decode, short and long query sequences: `plan` prints them after the default,
     and `--seqlen N` selects the plan a launch of N rows runs in `plan --json` and `emit`."""
     from fa4gen.planner import seqlen_splits
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    short, long = seqlen_splits(spec, "sm_90a")
+    decode, short, long = seqlen_splits(spec, "sm_90a")
     main = fa4gen.plan(spec, "sm_90a")
     spec_file = write_spec(tmp_path, "head_dim: 96\ncausal: true\n")
     result = run("plan", spec_file)
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"{main.describe()}\n\n{short.describe()}\n\n{long.describe()}"
+    ranges = "\n\n".join(split.describe() for split in (decode, short, long))
+    assert result.stdout.strip() == f"{main.describe()}\n\n{ranges}"
     for seqlen, expected in (
-        (1, short.plan),
+        (1, decode.plan),
+        (16, decode.plan),
+        (17, short.plan),
         (1024, short.plan),
         (1025, main),
         (4095, main),
@@ -469,7 +474,7 @@ def test_cache_ls_shows_the_entry(built: Built) -> None:
     assert "1 cached kernel in" in result.stdout
     listed = json.loads(run("cache", "ls", "--json", "--cache-dir", built.cache).stdout)
     rows = [(row["key"], row["summary"], row["arch"]) for row in listed]
-    assert rows == [(built.key, "bfloat16 d64 causal window(128,0)", "sm_90a")]
+    assert rows == [(built.key, "bfloat16 d64 causal window(128,0) document", "sm_90a")]
 
 
 @pytest.mark.slow

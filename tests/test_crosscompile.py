@@ -44,14 +44,21 @@ TRAINING_TENSORS_SPILLS = 72
 
 @pytest.fixture(scope="module")
 def artifacts(warm_cache):
-    """Every built forward kernel: each spec's default plan, its plans for length ranges, and the
-    first-call plans of FIRST_CALL_SPECS."""
+    """Every built forward kernel: each spec's default plan, its forward plans for length ranges,
+    and the first-call plans of FIRST_CALL_SPECS."""
     import fa4gen
     from fa4gen.planner import first_call_plan
 
     root, results = warm_cache
     found = dict(results)
-    found.update({f"{name}.{split.label}": built for name, result in results.items() for split, built in result.splits})
+    found.update(
+        {
+            f"{name}.{split.label}": built
+            for name, result in results.items()
+            for split, built in result.splits
+            if not split.plan.is_decode  # (decode kernels: every_artifact)
+        }
+    )
     for name in FIRST_CALL_SPECS:
         quick = first_call_plan(results[name].plan)
         assert quick is not None, f"{name}'s plan has no first-call plan: pick another spec"
@@ -61,13 +68,22 @@ def artifacts(warm_cache):
 
 @pytest.fixture(scope="module")
 def every_artifact(artifacts, warm_cache):
-    """The forward kernels and the backward of every spec in specs/ that has one."""
+    """The forward kernels, and the decode kernel and the backward of every spec in specs/ that has them."""
     import fa4gen
     from fa4gen.api import training_spec
     from fa4gen.planner import backward_plan, backward_problem
 
     root, results = warm_cache
     found = dict(artifacts)
+    found.update(
+        {
+            f"{name}.{split.label}": built
+            for name, result in results.items()
+            for split, built in result.splits
+            if split.plan.is_decode
+        }
+    )
+    assert any(result.plan.is_decode for result in found.values()), "no spec in specs/ has a decode kernel"
     for name, result in results.items():
         if not backward_problem(result.spec):
             spec = training_spec(result.spec)

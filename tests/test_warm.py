@@ -127,9 +127,9 @@ def test_first_run_compiles_valid_specs_and_reports_failures(warmed: Warmed) -> 
         assert reserved["status"] == "failed"
         assert reserved["reason"].startswith("UnsupportedArchError:") and "sm_100a" in reserved["reason"]
     assert "2 compiled, 0 cached, 4 failed" in result.stdout
-    # one entry per plan: plain d64 and its short- and long-sequence plans (4 consumer
-    # warpgroups; the split tail), causal d64 and its short-sequence plan
-    assert len(warmed.entries_after_first) == 5
+    # one entry per plan: plain d64 and its decode, short- and long-sequence plans (4 consumer
+    # warpgroups; the split tail), causal d64 and its decode and short-sequence plans
+    assert len(warmed.entries_after_first) == 7
 
 
 @pytest.mark.slow

@@ -7,8 +7,6 @@ made here passes the kernel family's one check (config_problem), asserted on the
 
 from __future__ import annotations
 
-import math
-
 from fa4gen.arch import MMA_K_GRANULE, WGMMA_M, Arch
 from fa4gen.kernels.sm90.config import (
     Sm90FwdConfig,
@@ -17,6 +15,7 @@ from fa4gen.kernels.sm90.config import (
     register_pool,
     smem_bytes,
 )
+from fa4gen.planner.fields import variant_fields
 from fa4gen.planner.model import Plan, SeqlenSplit
 from fa4gen.planner.sm90_decode import decode_split
 from fa4gen.planner.sm90_tables import (
@@ -34,10 +33,8 @@ from fa4gen.planner.sm90_tables import (
     TileRow,
 )
 from fa4gen.spec import AttentionSpec
-from fa4gen.variants import lower
 
 KERNEL = "HopperAttentionForward"
-LOG2E = math.log2(math.e)
 # Where the epilogue stages O for its TMA store, by preference (decision o-staging): its own
 # buffer; over the warpgroup's P tile; over V (warpgroup 1) beside one buffer (warpgroup 0); one
 # buffer the warpgroups take in turn; over the warpgroup's own Q rows.
@@ -131,28 +128,6 @@ def sm90_row(spec: AttentionSpec) -> TileRow:
 def split_tail_applies(spec: AttentionSpec) -> bool:
     """Whether the spec's plans may split their tail: no mask, so the tiles go head-major."""
     return not spec.has_mask and _tile_order(spec)[0] == "head_major"
-
-
-def variant_fields(spec: AttentionSpec) -> dict:
-    """The config fields the spec fixes (the kernel reads them as they are)."""
-    lowered = lower(spec)
-    modified = lowered.score is not None or spec.softcap is not None
-    return dict(
-        head_dim=spec.head_dim,
-        head_dim_v=spec.dv,
-        qhead_per_kvhead=spec.qhead_per_kvhead,
-        # scores leave score_mod in natural-log units: exp2 then needs only log2(e)
-        scale_log2=LOG2E if modified else spec.scale * LOG2E,
-        window_left=spec.left_bound,
-        window_right=spec.right_bound,
-        chunk=spec.mask.size if spec.mask_kind == "chunked" else None,
-        prefix_lm=spec.mask_kind == "prefix_lm",
-        document=spec.is_varlen,
-        expression_mask=lowered.mask is not None,
-        sinks=spec.sinks,
-        return_lse=spec.return_lse,
-        extra_names=tuple(extra.name for extra in lowered.extras),
-    )
 
 
 def _spec_reasons(fields: dict) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fa4gen.arch import MMA_K_GRANULE, WGMMA_M
 from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem
+from fa4gen.planner.fields import variant_fields
 from fa4gen.planner.model import Plan, SeqlenSplit
 from fa4gen.planner.sm90_tables import (
     DECODE_MAX_PACKED_ROWS,
@@ -60,8 +61,6 @@ def plan_decode_sm90(spec: AttentionSpec) -> Plan:
     problem = decode_problem(spec)
     if problem:
         raise ValueError(problem)
-    from fa4gen.planner.sm90 import variant_fields
-
     variant = {name: value for name, value in variant_fields(spec).items() if name in VARIANT_FIELDS}
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
     row = next(r for r in SM90_DECODE_TILES if max(dqk, dv) <= r.max_head_dim)

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M
-from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 DqSplit = Literal["m", "n"]
 DkvSplit = Literal["m", "n"]
@@ -143,11 +143,9 @@ def dq_split_problem(c: Sm90BwdConfig) -> str:
 
 def bwd_config_problem(c: Sm90BwdConfig) -> str:
     """Why the GPU cannot run ``c`` ("" when it can)."""
-    for name in ("head_dim_padded", "head_dim_v_padded", "tile_m"):
-        if getattr(c, name) <= 0 or getattr(c, name) % MMA_K_GRANULE:
-            return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
-    if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
-        return "the padded head dims must hold the head dims"
+    extents = extent_problem(c, "tile_m")
+    if extents:
+        return extents
     if c.num_consumer_warpgroups != 2 or c.q_stages not in (1, 2) or c.dq_stages not in (1, 2):
         return "the backward runs 2 consumer warpgroups, 1 or 2 Q stages and 1 or 2 dQ stages"
     if c.tile_m > 256 or c.tile_m % 8:

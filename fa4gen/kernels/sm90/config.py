@@ -176,14 +176,24 @@ def _option_problem(c: Sm90FwdConfig) -> str:
     return next((why for applies, holds, why in rules if applies and not holds), "")
 
 
-def config_problem(c: Sm90FwdConfig) -> str:
-    """Why the GPU cannot run ``c`` ("" when it can): an option without what it needs, shared
-    memory over the limit, or a register split over the CTA's pool."""
-    for name in ("head_dim_padded", "head_dim_v_padded", "tile_n"):
+def extent_problem(c, tile: str) -> str:
+    """Why the MMA cannot take ``c``'s padded head dims and its ``tile`` field ("" when it can):
+    each a positive multiple of the K granule, the padded dims holding the head dims (the
+    forward's, backward's and decode's configs share these fields)."""
+    for name in ("head_dim_padded", "head_dim_v_padded", tile):
         if getattr(c, name) <= 0 or getattr(c, name) % MMA_K_GRANULE:
             return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
     if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
         return "the padded head dims must hold the head dims"
+    return ""
+
+
+def config_problem(c: Sm90FwdConfig) -> str:
+    """Why the GPU cannot run ``c`` ("" when it can): an option without what it needs, shared
+    memory over the limit, or a register split over the CTA's pool."""
+    extents = extent_problem(c, "tile_n")
+    if extents:
+        return extents
     if c.num_consumer_warpgroups not in (1, 2, 3, 4) or c.kv_stages < 1 or c.q_stages not in (1, 2):
         return "num_consumer_warpgroups must be 1-4, kv_stages at least 1 and q_stages 1 or 2"
     option = _option_problem(c)

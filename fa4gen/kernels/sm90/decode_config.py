@@ -17,8 +17,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from fa4gen.arch import MMA_K_GRANULE, WARPGROUP_THREADS, WGMMA_M, Arch
-from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, resource_problem
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M, Arch
+from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
 
@@ -65,11 +65,9 @@ def decode_smem_bytes(c: Sm90DecodeConfig) -> int:
 
 def decode_config_problem(c: Sm90DecodeConfig) -> str:
     """Why the GPU cannot run ``c`` ("" when it can)."""
-    for name in ("head_dim_padded", "head_dim_v_padded", "tile_n"):
-        if getattr(c, name) <= 0 or getattr(c, name) % MMA_K_GRANULE:
-            return f"{name}={getattr(c, name)} is not a positive multiple of {MMA_K_GRANULE}"
-    if c.head_dim_padded < c.head_dim or c.head_dim_v_padded < c.head_dim_v:
-        return "the padded head dims must hold the head dims"
+    extents = extent_problem(c, "tile_n")
+    if extents:
+        return extents
     if c.tile_n > 256 or c.kv_stages < 2 or c.ctas_per_sm not in (1, 2):
         return "tile_n must be at most 256, kv_stages at least 2 and ctas_per_sm 1 or 2"
     smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + c.consumer_regs)
