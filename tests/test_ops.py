@@ -113,6 +113,27 @@ def test_arguments_reach_the_kernel_through_torch_compile(reference_kernels):
     assert call["aux"]["scale2"] == 0.5 and call["sinks"] is not None
 
 
+def test_cache_lengths_through_torch_compile(reference_kernels):
+    """``seqused_k`` (per-entry KV cache lengths, the decode kernel's) passes through the op under
+    torch.compile(fullgraph) and opcheck: the result is the reference's with each entry's keys
+    ending at its own length, causal aligned to it."""
+    lengths = torch.tensor([53, 0, 20], dtype=torch.int32)
+
+    def attend(q, k, v):
+        return ops.attention(SINKS_EXPR, q, k, v, sinks=sinks, seqused_k=lengths, aux=aux)
+
+    sinks, aux = torch.randn(4), {"bias": torch.randn(4), "scale2": 0.5, "shift": 2}
+    q, k, v = _inputs(3, 4, 53, SINKS_EXPR)
+    out, lse = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
+    args = {"sinks": sinks, "seqused_k": lengths, **aux}
+    want_out, want_lse = reference(SINKS_EXPR, q, k, v, args=args)
+    torch.testing.assert_close(out, want_out.to(out.dtype))
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.equal(reference_kernels[SINKS_EXPR.canonical_json()].calls[0]["seqused_k"], lengths)
+    op_args = custom_op._op_arguments(ops.spec_handle(SINKS_EXPR), {"sinks": sinks, "seqused_k": lengths, "aux": aux})
+    torch.library.opcheck(torch.ops.fa4gen.forward.default, (q, k, v, *op_args))
+
+
 def test_packed_documents_through_the_op(reference_kernels):
     total = 90
     cu = torch.tensor([0, 20, 61, 90], dtype=torch.int32)
