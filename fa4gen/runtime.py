@@ -330,7 +330,9 @@ class AttentionKernel:
         batch, seqlen_q, heads_q = q.shape[:3]
         if seqused_k is None:
             seqused_k = full_cache_lengths(batch, k.shape[1], q.device)
-        slots = multiprocessor_count(q.device) * c.ctas_per_sm
+        # one CTA per SM, not per CTA slot: the second slot of an SM gave more partials to merge and
+        # no speed (benchmarks/decode_splits.py, decision decode-kernel)
+        slots = multiprocessor_count(q.device)
         splits = decode_splits(batch, k.shape[2], seqlen_q, k.shape[1], c.qhead_per_kvhead, c.tile_n, slots)
         o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, self.spec.dv), q.device)
         function(q, k, v, out, lse, o_part, lse_part, seqused_k, splits, *extras)

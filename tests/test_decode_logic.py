@@ -90,12 +90,12 @@ def test_splits_cover_each_visible_key_tile_once(name, sizes, splits):
 @pytest.mark.parametrize(
     "sizes, expected",
     [
-        ((1, 8, 1, 32768, 4, 64, 264), 33),  # Llama-3-8B decode at batch 1: every slot of 2 CTAs per SM
-        ((8, 8, 1, 32768, 4, 64, 264), 4),
-        ((64, 8, 1, 4096, 4, 64, 264), 1),  # the launch fills the slots already
-        ((1, 8, 1, 1024, 4, 64, 264), 4),  # short caches: at least 4 key tiles per split
-        ((1, 1, 1, 10**7, 1, 64, 264), MAX_SPLITS),
-        ((1, 8, 16, 32768, 8, 64, 264), 16),  # 128 packed rows: two query tiles per KV head
+        ((1, 8, 1, 32768, 4, 64, 132), 16),  # Llama-3-8B decode at batch 1: one CTA per SM
+        ((8, 8, 1, 32768, 4, 64, 132), 2),
+        ((64, 8, 1, 4096, 4, 64, 132), 1),  # the launch fills the SMs already
+        ((1, 8, 1, 1024, 4, 64, 132), 4),  # short caches: at least 4 key tiles per split
+        ((1, 1, 1, 10**7, 1, 64, 132), MAX_SPLITS),
+        ((1, 8, 16, 32768, 8, 64, 132), 8),  # 128 packed rows: two query tiles per KV head
     ],
 )
 def test_split_counts(sizes, expected):

@@ -91,7 +91,8 @@ def decode_splits(
     batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int, qhead_per_kvhead: int, tile_n: int, slots: int
 ) -> int:
     """How many CTAs share the keys of one (batch, KV head, query tile): enough to fill the
-    ``slots`` (SMs x CTAs per SM), no more than leaves each at least four key tiles (shorter
+    ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
+    slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
     launch already fills the slots."""
     tiles = math.ceil(decode_rows(seqlen_q, qhead_per_kvhead) / WGMMA_M)

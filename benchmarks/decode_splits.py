@@ -1,0 +1,75 @@
+"""Time the decode kernel at forced split-KV counts, to check ``decode_splits``' choice (on the GPU).
+
+    python benchmarks/decode_splits.py [--out rows.json]
+
+For each cell (benchmarks/decode.py's: Llama-3-8B heads, causal, contiguous cache read through
+``seqused_k``) the kernel runs with each split count up to one per 4 key tiles, timed as the
+decode harness times (queued behind a GPU spin, rotating order), next to the count the
+heuristic picks. Split counts are a run-time argument: nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decode  # noqa: E402
+
+import fa4gen  # noqa: E402
+import fa4gen.kernels.sm90.decode_config as decode_config  # noqa: E402
+
+CELLS = [
+    decode.Cell(1, 1, 1024, 4),
+    decode.Cell(1, 1, 4096, 4),
+    decode.Cell(1, 1, 32768, 4),
+    decode.Cell(1, 1, 131072, 4),
+    decode.Cell(8, 1, 1024, 4),
+    decode.Cell(8, 1, 4096, 4),
+    decode.Cell(1, 4, 32768, 8),
+    decode.Cell(8, 16, 1024, 8),
+]
+COUNTS = (1, 2, 4, 8, 16, 24, 33, 48, 66, 96, 128)
+
+
+def run_cell(cell: decode.Cell) -> dict:
+    kernel = fa4gen.compile(decode.specs_of([cell])[0])
+    tile_n = kernel.decode_kernel().plan.config.tile_n
+    counts = [c for c in COUNTS if c <= max(1, cell.seqlen_k // tile_n // 4)]
+    inputs = decode.make_inputs(cell)
+    heuristic = decode_config.decode_splits
+    functions = {}
+    for count in (None, *counts):
+        split_fn = heuristic if count is None else (lambda *sizes, c=count: c)
+
+        def launch(q, k, v, lens, table, split_fn=split_fn):
+            decode_config.decode_splits = split_fn
+            try:
+                return kernel(q, k, v, seqused_k=lens)
+            finally:
+                decode_config.decode_splits = heuristic
+
+        functions["auto" if count is None else str(count)] = launch
+    timed = decode.time_queued(functions, inputs)
+    return {"label": cell.label, "us": {name: ms * 1e3 for name, ms in timed.items() if isinstance(ms, float)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for cell in CELLS:
+        rows.append(run_cell(cell))
+        best = min(rows[-1]["us"], key=rows[-1]["us"].get)
+        times = " ".join(f"{name}={us:.1f}" for name, us in rows[-1]["us"].items())
+        print(f"{cell.label:40} best {best:>4}  {times}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
