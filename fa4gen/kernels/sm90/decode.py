@@ -45,22 +45,19 @@ Q_VECTOR = 8  # 16-bit elements per 16-byte load of a Q row
 COMBINE_WARPS = 4  # packed rows per combine CTA (a warp each)
 
 
-def packed_rows(t: cute.Tensor, group: int) -> cute.Tensor:
-    """(B, S, Hq, D) as ((G, S), D, Hkv, B): packed row g + G * s of KV head h is query index s
-    of query head h * G + g."""
-    s_b, s_s, s_h, s_d = t.layout.stride
-    b, s, hq, d = t.layout.shape
-    layout = cute.make_layout(((group, s), d, hq // group, b), stride=((s_h, s_s), s_d, s_h * group, s_b))
-    return cute.make_tensor(t.iterator, layout)
-
-
-def packed_lse(t: cute.Tensor, group: int) -> cute.Tensor:
-    """(B, Hq, S) as ((G, S), Hkv, B), packed as ``packed_rows``."""
-    s_b, s_h, s_s = t.layout.stride
-    b, hq, s = t.layout.shape
-    return cute.make_tensor(
-        t.iterator, cute.make_layout(((group, s), hq // group, b), stride=((s_h, s_s), s_h * group, s_b))
+def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tuple) -> cute.Tensor:
+    """``t`` with its query-sequence mode ``seq`` and query-head mode ``head`` packed into one
+    leading mode (G, S): packed row g + G * s of KV head h is query s of query head h * G + g.
+    The other modes follow in ``order`` (original mode numbers), ``head`` standing for the KV
+    heads: (B, S, Hq, D) with seq 1, head 2 and order (3, 2, 0) is ((G, S), D, Hkv, B)."""
+    shape, stride = t.layout.shape, t.layout.stride
+    kv = {head: (shape[head] // group, stride[head] * group)}
+    rest = [kv.get(m, (shape[m], stride[m])) for m in order]
+    layout = cute.make_layout(
+        ((group, shape[seq]), *(size for size, _ in rest)),
+        stride=((stride[head], stride[seq]), *(step for _, step in rest)),
     )
+    return cute.make_tensor(t.iterator, layout)
 
 
 class HopperAttentionDecode:
@@ -120,15 +117,13 @@ class HopperAttentionDecode:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
-        q, o = packed_rows(mQ, G), packed_rows(mO, G)
-        # the partials' split mode goes last: ((G, S), Dv, Hkv, B, splits) and ((G, S), Hkv, B, splits)
-        o_part = cute.make_tensor(mOPart.iterator, cute.select(mOPart.layout, mode=[1, 2, 3, 4, 0]))
-        lse_part = cute.make_tensor(mLSEPart.iterator, cute.select(mLSEPart.layout, mode=[1, 2, 3, 0]))
-        o_part = self._packed_parts(o_part, G)
-        lse_part = self._packed_lse_parts(lse_part, G)
+        # ((G, S), D, Hkv, B) rows; the partials with their split mode last
+        q, o = pack_query_heads(mQ, G, 1, 2, (3, 2, 0)), pack_query_heads(mO, G, 1, 2, (3, 2, 0))
+        o_part = pack_query_heads(mOPart, G, 2, 3, (4, 3, 1, 0))  # ((G, Sq), Dv, Hkv, B, splits)
+        lse_part = pack_query_heads(mLSEPart, G, 3, 2, (2, 1, 0))  # ((G, Sq), Hkv, B, splits)
         lse = None
         if cutlass.const_expr(mLSE is not None):
-            lse = packed_lse(mLSE, G)
+            lse = pack_query_heads(mLSE, G, 2, 1, (1, 0))  # ((G, Sq), Hkv, B)
         rows = mQ.shape[1] * G
         m_blocks = cute.ceil_div(rows, WGMMA_M)
         kv_heads, batch = mK.shape[2], mQ.shape[0]
@@ -165,22 +160,6 @@ class HopperAttentionDecode:
                 block=[COMBINE_WARPS * 32, 1, 1],
                 stream=stream,
             )
-
-    @staticmethod
-    def _packed_parts(t: cute.Tensor, group: int) -> cute.Tensor:
-        """(B, Sq, Hq, Dv, splits) as ((G, Sq), Dv, Hkv, B, splits)."""
-        s_b, s_s, s_h, s_d, s_p = t.layout.stride
-        b, s, hq, d, p = t.layout.shape
-        layout = cute.make_layout(((group, s), d, hq // group, b, p), stride=((s_h, s_s), s_d, s_h * group, s_b, s_p))
-        return cute.make_tensor(t.iterator, layout)
-
-    @staticmethod
-    def _packed_lse_parts(t: cute.Tensor, group: int) -> cute.Tensor:
-        """(B, Hq, Sq, splits) as ((G, Sq), Hkv, B, splits)."""
-        s_b, s_h, s_s, s_p = t.layout.stride
-        b, hq, s, p = t.layout.shape
-        layout = cute.make_layout(((group, s), hq // group, b, p), stride=((s_h, s_s), s_h * group, s_b, s_p))
-        return cute.make_tensor(t.iterator, layout)
 
     def _smem_layouts(self):
         """Q: 64 packed rows (the Q.K^T A operand); K and V one stage per ring slot (V as the

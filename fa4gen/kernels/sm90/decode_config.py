@@ -82,11 +82,6 @@ def decode_config_problem(c: Sm90DecodeConfig) -> str:
     return resource_problem(smem, c.producer_regs, c.consumer_regs, 1)
 
 
-def decode_rows(seqlen_q: int, qhead_per_kvhead: int) -> int:
-    """Packed query rows of one (batch, KV head)."""
-    return seqlen_q * qhead_per_kvhead
-
-
 def decode_splits(
     batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int, qhead_per_kvhead: int, tile_n: int, slots: int
 ) -> int:
@@ -95,7 +90,7 @@ def decode_splits(
     slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
     launch already fills the slots."""
-    tiles = math.ceil(decode_rows(seqlen_q, qhead_per_kvhead) / WGMMA_M)
+    tiles = math.ceil(seqlen_q * qhead_per_kvhead / WGMMA_M)  # packed query tiles per KV head
     ctas = max(batch * kv_heads * tiles, 1)
     if ctas >= slots * 0.8:
         return 1
