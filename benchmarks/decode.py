@@ -100,7 +100,8 @@ def grid(which: str) -> list[Cell]:
         ]
         return cells + [Cell(b, CHUNK_ROWS, sk, 4) for sk in (4096, 32768) for b in (1, 8)]
     cells = [Cell(b, sq, sk, g) for g in (4, 8) for sk in (4096, 32768) for b in (1, 8, 64, 128) for sq in (1, 4)]
-    for b, sk, g in ((8, 32768, 8), (64, 4096, 4)):  # paged beside a contiguous cell of the same size
+    # paged beside a contiguous cell of the same size: batch 1 (split-KV), 8, 64 and 128
+    for b, sk, g in ((1, 32768, 4), (8, 32768, 8), (64, 4096, 4), (128, 4096, 8)):
         cells += [Cell(b, 1, sk, g, layout) for layout in LAYOUTS[1:]]
     return cells + [Cell(1, CHUNK_ROWS, sk, 4) for sk in (4096, 32768)]
 

@@ -119,8 +119,10 @@ def fake_backward_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
 
 def fake_decode_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
     """Stand-ins for the decode kernel's (q, k, v, o, lse, o_part, lse_part, seqused_k,
-    num_splits, *extras, stream): the partials (splits, B, Sq, Hq, Dv) and (splits, B, Hq, Sq)
-    compact fp32, the cache lengths (B,) int32, the split count a run-time Int32."""
+    page_table, counters, num_splits, *extras, stream): the partials (splits, B, Sq, Hq, Dv) and
+    (splits, B, Hq, Sq) compact fp32, the cache lengths (B,) int32, a paged plan's page table (B,
+    max pages) int32 (K/V then the page pool (pages, page size, Hkv, D)), the splits' counters
+    (B, Hkv, query tiles) int32, the split count a run-time Int32."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -140,6 +142,8 @@ def fake_decode_arguments(spec: AttentionSpec, plan: Plan) -> list[Any]:
         compact(cutlass.Float32, dv, rank=5),
         compact(cutlass.Float32, rank=4),
         compact(cutlass.Int32, rank=1),
+        compact(cutlass.Int32, rank=2) if plan.config.paged else None,
+        compact(cutlass.Int32, rank=3),
         cutlass.Int32(1),
         *_fake_extras(spec),
         make_fake_stream(use_tvm_ffi_env_stream=True),

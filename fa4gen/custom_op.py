@@ -35,6 +35,7 @@ TENSOR_ARGUMENTS = (
     "cu_seqlens_q",
     "cu_seqlens_k",
     "seqused_k",
+    "page_table",
 )
 
 
@@ -52,6 +53,7 @@ def forward(
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
     seqused_k: torch.Tensor | None,
+    page_table: torch.Tensor | None,
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
     block_tensors: list[torch.Tensor],
@@ -69,7 +71,7 @@ def forward(
     spec = registered.spec
     variant = _variant(
         spec,
-        (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, seqused_k),
+        (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table),
         (max_seqlen_q, max_seqlen_k),
         (block_tensors, block_sizes),
         (aux_names, aux_tensors, scalar_names, scalar_values),
@@ -144,7 +146,7 @@ def backward(
     if registered.backward is None:
         raise ValueError(f"the kernel {kernel!r} was registered without a backward")
     named = (aux_names, aux_tensors, scalar_names, scalar_values)
-    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, None)
+    tensors = (sinks, alibi_slopes, rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, None, None)
     variant = _variant(registered.spec, tensors, (None, None), ([], []), named)
     grads = registered.backward()(q, k, v, out, dout, lse, dlse, **variant)
     dq, dk, dv, *rest = grads
@@ -177,10 +179,10 @@ def trained_sources(spec: AttentionSpec, alibi_slopes, rel_bias, aux: dict) -> l
 
 # the forward op's arguments after q, k, v that the backward takes: kernel, sinks, alibi_slopes,
 # rel_bias, prefix_lengths, cu_seqlens_q, cu_seqlens_k, then the aux names, tensors, scalar names
-# and values (fa4gen::forward's order; seqused_k is inference only)
-_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 18)
+# and values (fa4gen::forward's order; seqused_k and page_table are inference only)
+_BACKWARD_ARGUMENTS = (3, 4, 5, 6, 7, 8, 9, 16, 17, 18, 19)
 SINKS_INPUT = 4
-ALIBI_INPUT, REL_BIAS_INPUT, AUX_NAMES_INPUT, AUX_TENSORS_INPUT = 5, 6, 15, 16
+ALIBI_INPUT, REL_BIAS_INPUT, AUX_NAMES_INPUT, AUX_TENSORS_INPUT = 5, 6, 16, 17
 
 
 def _save_for_backward(ctx, inputs, output) -> None:

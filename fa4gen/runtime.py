@@ -83,6 +83,9 @@ class AttentionKernel:
     tensors of the spec's dtype with the last dim contiguous and 16-byte aligned strides, and
     Hq = qhead_per_kvhead * Hkv. Returns o (B, Sq, Hq, head_dim_v) in the same dtype and, when
     the spec asks, lse (B, Hq, Sq) in float32 (natural log; -inf for rows that see no key).
+    Over a KV cache, ``seqused_k`` (int32 (B,)) gives each entry's length; with ``page_table``
+    (int32 (B, max pages)) k and v are a page pool (pages, page size, Hkv, D), page size a
+    multiple of 16, read through the table (``paged_kernel``).
     """
 
     def __init__(
@@ -187,7 +190,9 @@ class AttentionKernel:
             from fa4gen.custom_op import call
 
             return call(self.handle, self.spec, q, k, v, out=out, lse=lse, **variant)
-        if variant.get("seqused_k") is not None:
+        if variant.get("page_table") is not None:
+            kernel = self.paged_kernel()
+        elif variant.get("seqused_k") is not None:
             kernel = self.decode_kernel()
         else:
             kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
@@ -204,6 +209,20 @@ class AttentionKernel:
         if found is None:
             raise ValueError(
                 f"seqused_k= needs the decode kernel, which this spec has none of: {decode_problem(self.spec)}"
+            )
+        return found
+
+    def paged_kernel(self) -> AttentionKernel:
+        """The decode kernel over a paged KV cache, which runs every launch with a ``page_table``
+        whatever its query length; ValueError where the variant has none."""
+        from fa4gen.planner.sm90_decode import decode_problem
+
+        if self.plan.is_decode and self.plan.config.paged:
+            return self
+        found = next((s.kernel for s in self.splits if s.split.page_table), None)
+        if found is None:
+            raise ValueError(
+                f"page_table= needs the paged decode kernel, which this spec has none of: {decode_problem(self.spec)}"
             )
         return found
 
@@ -259,16 +278,23 @@ class AttentionKernel:
         aux=None,
         block_mask=None,
         seqused_k=None,
+        page_table=None,
     ):
         """Validate, then launch this kernel (see ``__call__``)."""
         import torch
+
+        paged = self.plan.is_decode and self.plan.config.paged
+        if (page_table is not None) != paged:
+            raise ValueError(
+                "page_table= runs on the paged decode kernel (AttentionKernel.paged_kernel), and only that one"
+            )
 
         if lse is not None and not self.spec.return_lse:
             raise ValueError("lse= was given, but the spec was compiled without return_lse")
         varlen = self.spec.is_varlen
         if varlen:
             q, k, v = (_packed_as_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
-        batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
+        batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v, page_table)
         o_shape = (batch, seqlen_q, heads_q, self.spec.dv)
         lse_shape = (batch, heads_q, seqlen_q)
         given_out, given_lse = out, lse
@@ -311,7 +337,7 @@ class AttentionKernel:
             if self._pending is not None and not torch.cuda.is_current_stream_capturing():
                 function = self._take_over()  # (a graph being captured keeps what it has)
             if self.plan.is_decode:
-                self._launch_decode(function, q, k, v, out, lse, seqused_k, extras)
+                self._launch_decode(function, q, k, v, out, lse, seqused_k, page_table, extras)
             else:
                 num_ctas = multiprocessor_count(q.device)
                 work, flags = split_workspace(self.plan, q.device, num_ctas)
@@ -321,21 +347,25 @@ class AttentionKernel:
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
 
-    def _launch_decode(self, function, q, k, v, out, lse, seqused_k, extras) -> None:
+    def _launch_decode(self, function, q, k, v, out, lse, seqused_k, page_table, extras) -> None:
         """The decode kernel with its split count (from the sizes and this device's SMs), the
-        split partials and the cache lengths (every entry's the cache's Sk where none are given)."""
+        split partials and the cache lengths (every entry's the cache's capacity where none are
+        given: Sk, or a paged entry's pages x page size)."""
         from fa4gen.kernels.sm90.decode_config import decode_splits
 
         c = self.plan.config
         batch, seqlen_q, heads_q = q.shape[:3]
+        capacity = k.shape[1] * (1 if page_table is None else page_table.shape[1])
         if seqused_k is None:
-            seqused_k = full_cache_lengths(batch, k.shape[1], q.device)
+            seqused_k = full_cache_lengths(batch, capacity, q.device)
         # one CTA per SM, not per CTA slot: the second slot of an SM gave more partials to merge and
         # no speed (benchmarks/decode_splits.py, decision decode-kernel)
         slots = multiprocessor_count(q.device)
-        splits = decode_splits(batch, k.shape[2], seqlen_q, k.shape[1], c.qhead_per_kvhead, c.tile_n, slots)
+        splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_n, slots)
         o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, self.spec.dv), q.device)
-        function(q, k, v, out, lse, o_part, lse_part, seqused_k, splits, *extras)
+        tiles = -(-seqlen_q * c.qhead_per_kvhead // c.tile_m)
+        counters = split_counters((batch, k.shape[2], tiles) if splits > 1 else (1, 1, 1), q.device)
+        function(q, k, v, out, lse, o_part, lse_part, seqused_k, page_table, counters, splits, *extras)
 
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
         """``document_tables`` for this kernel's tiles (``DocumentTableCache``)."""
@@ -610,6 +640,25 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     return _SPLIT_WORKSPACES[key]
 
 
+_SPLIT_COUNTERS: dict = {}  # (device, stream, shape, captured) -> int32 counters
+
+
+def split_counters(shape: tuple, device):
+    """The decode splits' int32 counters (one per batch entry, KV head and query tile), kept as
+    ``split_workspace`` keeps its flags, with the same rules: every launch leaves them at zero
+    (the last split to count in lowers its counter), one set per device, stream and shape, and a
+    CUDA graph capture gets its own, zeroed again by each captured launch."""
+    import torch
+
+    capturing = torch.cuda.is_current_stream_capturing()
+    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
+    if key not in _SPLIT_COUNTERS:
+        _SPLIT_COUNTERS[key] = torch.zeros(shape, dtype=torch.int32, device=device)
+    elif capturing:
+        _SPLIT_COUNTERS[key].zero_()
+    return _SPLIT_COUNTERS[key]
+
+
 _DECODE_CONSTANTS: dict = {}  # (what, device, sizes, capturing) -> a tensor no launch writes
 
 
@@ -719,14 +768,17 @@ def _check_output(name: str, t: Any, shape: tuple, dtype: Any, device: Any) -> N
         _check_alignment(name, t)
 
 
-def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
-    """Raise ValueError naming the argument if q, k, v do not fit the spec; return (B, Sq, Hq)."""
+def validate_inputs(spec: AttentionSpec, q, k, v, page_table=None) -> tuple[int, int, int]:
+    """Raise ValueError naming the argument if q, k, v (with ``page_table``: k and v a page pool
+    (pages, page size, Hkv, D)) do not fit the spec; return (B, Sq, Hq)."""
     _check_tensor("q", q, spec, spec.head_dim)
     _check_tensor("k", k, spec, spec.head_dim)
     _check_tensor("v", v, spec, spec.dv)
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+    if page_table is not None:
+        check_page_table(page_table, q, k, v)
+    elif not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
+    elif k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same seqlen, got k {k.shape[1]} and v {v.shape[1]}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same number of heads, got k {k.shape[2]} and v {v.shape[2]}")
@@ -743,6 +795,37 @@ def validate_inputs(spec: AttentionSpec, q, k, v) -> tuple[int, int, int]:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     return q.shape[0], q.shape[1], q.shape[2]
+
+
+def check_page_table(page_table: Any, q, k, v) -> None:
+    """A paged launch: k and v one pool of (pages, page size, Hkv, D) with a page size that is a
+    multiple of PAGE_BOX, and ``page_table`` int32 (B, max pages) on their device, rows
+    contiguous. Its entries are not read here (that would wait for the GPU): the kernel clamps
+    each into the pool."""
+    import torch
+
+    from fa4gen.kernels.sm90.decode_config import PAGE_BOX
+
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must be one page pool (pages, page size): got k {k.shape[:2]} and v {v.shape[:2]}")
+    if k.shape[0] < 1 or k.shape[1] < PAGE_BOX or k.shape[1] % PAGE_BOX:
+        raise ValueError(
+            f"k and v must be a page pool of at least one page of a multiple of {PAGE_BOX} tokens "
+            f"(pages, page size, heads, head_dim), got shape {tuple(k.shape)}"
+        )
+    if not isinstance(page_table, torch.Tensor):
+        raise ValueError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"page_table must be int32 of shape ({q.shape[0]}, max_pages), got {page_table.dtype} "
+            f"{tuple(page_table.shape)}"
+        )
+    if page_table.shape[1] < 1:
+        raise ValueError("page_table has no columns: each batch entry needs at least one page slot")
+    if page_table.device != q.device:
+        raise ValueError(f"page_table is on {page_table.device}, the inputs are on {q.device}")
+    if not page_table.is_contiguous():
+        raise ValueError("page_table must be contiguous (call .contiguous() first)")
 
 
 # ----------------------------------------------------------------------------- variant arguments

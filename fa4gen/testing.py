@@ -109,15 +109,28 @@ def reference(spec: AttentionSpec, q, k, v, *, upcast: bool = True, args=None, i
     """(o, lse): o (B, Sq, Hq, Dv) in q's dtype or float32 (upcast), lse (B, Hq, Sq) float32.
 
     ``args`` holds the variant's run-time values by keyword (sinks, alibi_slopes, rel_bias,
-    prefix_lengths, cu_seqlens_q/k, seqused_k, aux={...}). Score modifiers and expression masks come from
-    the expression language's PyTorch rendering; with ``independent`` the built-in modifiers
-    (ALiBi, relative bias) use hand-written formulas instead. With a document mask q, k, v (and
-    the results) are packed (total, H, D)."""
+    prefix_lengths, cu_seqlens_q/k, seqused_k, page_table, aux={...}). Score modifiers and
+    expression masks come from the expression language's PyTorch rendering; with ``independent``
+    the built-in modifiers (ALiBi, relative bias) use hand-written formulas instead. With a
+    document mask q, k, v (and the results) are packed (total, H, D); with a page table k and v
+    are a page pool (pages, page size, Hkv, D), gathered first (``gather_pages``)."""
     args = dict(args or {})
+    table = args.pop("page_table", None)
+    if table is not None:
+        k, v = gather_pages(k, table), gather_pages(v, table)
     if spec.is_varlen:
         out, lse = _reference(spec, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), upcast, args, independent)
         return out.squeeze(0), lse.squeeze(0)
     return _reference(spec, q, k, v, upcast, args, independent)
+
+
+def gather_pages(pool, page_table):
+    """A page pool (pages, page size, H, D) read through ``page_table`` (B, max pages) as the
+    contiguous cache (B, max pages x page size, H, D), each entry clamped into the pool as the
+    paged kernel does."""
+    pages, page_size = pool.shape[:2]
+    gathered = pool[page_table.long().clamp(0, pages - 1)]  # (B, max pages, page size, H, D)
+    return gathered.reshape(page_table.shape[0], page_table.shape[1] * page_size, *pool.shape[2:])
 
 
 def _reference(spec, q, k, v, upcast, args, independent):
@@ -269,7 +282,8 @@ def assert_close_to_reference(
         finite = torch.isfinite(lse_ref)
         assert torch.equal(torch.isfinite(lse), finite), "lse is -inf exactly where no key is visible"
         lse_err = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
-        lse_bound = 1e-3 * max(1.0, math.log(max(k.shape[-3], 2)))
+        keys = k.shape[-3] * (1 if (args or {}).get("page_table") is None else args["page_table"].shape[1])
+        lse_bound = 1e-3 * max(1.0, math.log(max(keys, 2)))
         report.update(lse_err=lse_err, lse_bound=lse_bound)
         assert lse_err <= lse_bound, f"lse error {lse_err:.3e} exceeds {lse_bound:.3e}"
     return report

@@ -37,15 +37,19 @@ def test_full_grid_counts_cells_and_sets_aside_those_over_24_gb():
 
 def test_quick_grid_is_part_of_the_full_one_with_paged_pairs():
     quick = decode.grid("quick")
-    assert len(quick) == 4 * 2 * 2 * 2 + 2 * 2 + 2
+    assert len(quick) == 4 * 2 * 2 * 2 + 4 * 2 + 2
     assert {c.label for c in quick} <= {c.label for c in decode.grid("full")}
     assert decode.split_cells(quick)[1] == []
     paged = [c for c in quick if c.page_size]
     assert {(c.batch, c.seqlen_k, c.seqlen_q, c.group, c.page_size) for c in paged} == {
+        (1, 32768, 1, 4, 16),
+        (1, 32768, 1, 4, 128),
         (8, 32768, 1, 8, 16),
         (8, 32768, 1, 8, 128),
         (64, 4096, 1, 4, 16),
         (64, 4096, 1, 4, 128),
+        (128, 4096, 1, 8, 16),
+        (128, 4096, 1, 8, 128),
     }
     # each paged cell has its contiguous twin, for the paged-vs-contiguous line
     shapes = {(c.batch, c.seqlen_q, c.seqlen_k, c.group) for c in quick if c.layout == "contiguous"}

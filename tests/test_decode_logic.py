@@ -1,6 +1,7 @@
 """The decode kernel's run logic on the CPU (CuTe DSL executes `@cute.jit` host functions here):
 the kernel's own ``key_run`` for every packed query tile and split, against brute force over
-fa4gen.testing.visible_keys (written independently), and the host's split counts."""
+fa4gen.testing.visible_keys (written independently); the paged kernel's page walk against the
+reference's gather through the page table; and the host's split counts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from cutlass.cute.runtime import from_dlpack
 
 import fa4gen
 from fa4gen.kernels.common.variant import VariantArgs
-from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, decode_splits
+from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, PAGE_BOX, decode_splits
 from fa4gen.planner.sm90_decode import plan_decode_sm90
 
 GROUP_CASES = {
@@ -28,9 +29,9 @@ GROUP_CASES = {
 SIZES = [(1, 1), (1, 1000), (4, 4097), (16, 700), (3, 2), (5, 0), (100, 3000)]
 
 
-def _kernel(spec: fa4gen.AttentionSpec):
+def _kernel(spec: fa4gen.AttentionSpec, paged: bool = False):
     namespace: dict = {}
-    plan = plan_decode_sm90(spec)
+    plan = plan_decode_sm90(spec, paged=paged)
     exec(compile(fa4gen.emit(spec, plan).source, "<emitted>", "exec"), namespace)  # noqa: S102 - our own output
     return namespace["make_kernel"]()
 
@@ -85,6 +86,48 @@ def test_splits_cover_each_visible_key_tile_once(name, sizes, splits):
         assert len(seen) == len(set(seen)), f"query tile {m}: a key tile runs in two splits"
         needed = {n for n in range(width // tile_n) if mine[:, n * tile_n : (n + 1) * tile_n].any()}
         assert needed <= set(seen), f"query tile {m}: key tiles {sorted(needed - set(seen))} never run"
+
+
+def _walk(kernel, table: torch.Tensor, tiles: int, page_size: int, num_pages: int) -> torch.Tensor:
+    """(page_of, row_box_of) of every box of key tiles 0 .. tiles-1 of one batch entry."""
+    boxes = kernel.tile_n // PAGE_BOX
+    out = torch.full((tiles, boxes, 2), -1, dtype=torch.int32)
+
+    @cute.jit
+    def run(out: cute.Tensor, table: cute.Tensor, tiles: Int32, page_size: Int32, num_pages: Int32):
+        for n in cutlass.range(tiles, unroll=1):
+            for c in cutlass.range(boxes, unroll=1):
+                out[n, c, 0] = kernel.page_of(table, n, c, page_size, table.shape[0], num_pages)
+                out[n, c, 1] = kernel.row_box_of(n, c, page_size)
+
+    run(from_dlpack(out), from_dlpack(table), tiles, page_size, num_pages)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 128, 256])
+@pytest.mark.parametrize("name", ["causal-gqa4", "two-sided-mha"])  # 64- and 128-key tiles
+def test_page_walk_reads_each_key_from_its_page(name, page_size):
+    """Each box of a key tile reads the pool rows that hold its keys (the reference's gather
+    through the same table, clamped alike), entries out of range included; tiles past an
+    entry's pages read inside the pool."""
+    from fa4gen.testing import gather_pages
+
+    kernel = _kernel(fa4gen.AttentionSpec(**GROUP_CASES[name]), paged=True)
+    num_pages, max_pages = 9, 5
+    table = torch.tensor([7, -1, 3, 10**6, 0], dtype=torch.int32)
+    # pool[p, r] = the pool row p * page_size + r, as one head of width 1
+    pool = torch.arange(num_pages * page_size, dtype=torch.int64).view(num_pages, page_size, 1, 1)
+    gathered = gather_pages(pool, table.view(1, -1)).view(-1)  # key -> pool row
+    tiles = -(-max_pages * page_size // kernel.tile_n) + 1  # one tile past the capacity
+    walk = _walk(kernel, table, tiles, page_size, num_pages)
+    for n in range(tiles):
+        for c in range(kernel.tile_n // PAGE_BOX):
+            page, row = walk[n, c].tolist()
+            assert 0 <= page < num_pages and 0 <= row < page_size // PAGE_BOX
+            first = n * kernel.tile_n + c * PAGE_BOX
+            if first < max_pages * page_size:
+                read = torch.arange(PAGE_BOX) + page * page_size + row * PAGE_BOX
+                assert torch.equal(read, gathered[first : first + PAGE_BOX]), f"tile {n} box {c}"
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def test_decode_plans_hold_their_invariants(ratio):
     """Every variant with a decode kernel gets one plan per head dim 8..256: the spec's fields as
     the forward's, tiles that fit shared memory and the registers, the decode range first of the
     length ranges; packed documents and prefix-LM have none."""
-    from fa4gen.kernels.sm90.decode_config import decode_config_problem, decode_smem_bytes
+    from fa4gen.kernels.sm90.decode_config import PAGE_BOX, decode_config_problem, decode_smem_bytes
     from fa4gen.planner import first_call_plan
     from fa4gen.planner.sm90_decode import decode_max_seqlen_q, decode_problem
 
@@ -128,10 +128,16 @@ def test_decode_plans_hold_their_invariants(ratio):
         assert decode_smem_bytes(c) == decode[0].plan.smem_bytes <= SMEM_LIMIT
         assert not decode_config_problem(c) and not plan_problem(decode[0].plan)
         assert first_call_plan(decode[0].plan) is None  # (a cache miss builds decode's own kernel)
+        paged = splits[-1]  # the paged kernel: decode's schedule over a page pool, for page-table launches only
+        assert paged.label == "paged" and paged.page_table and not paged.covers(1) and paged.plan.config.paged
+        assert paged.plan.config.model_copy(update={"paged": False, "producer_regs": c.producer_regs}) == c.model_copy(
+            update={"consumer_regs": paged.plan.config.consumer_regs}
+        )
+        assert c.tile_n % PAGE_BOX == 0 and not plan_problem(paged.plan) and first_call_plan(paged.plan) is None
 
 
 def _forward_splits(spec: AttentionSpec) -> list:
-    """The length ranges that run the forward kernel (all but decode's)."""
+    """The length ranges that run the forward kernel (all but decode's and the paged kernel)."""
     return [s for s in seqlen_splits(spec, "sm_90a") if not s.plan.is_decode]
 
 
@@ -740,7 +746,8 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     spec = AttentionSpec(**fields)
     every = seqlen_splits(spec, "sm_90a")
     assert every[0].label == "decode" and every[0].plan.is_decode  # (test_decode_plans_hold_their_invariants)
-    splits = {s.label: s for s in every[1:]}
+    assert every[-1].label == "paged" and every[-1].page_table and every[-1].plan.config.paged
+    splits = {s.label: s for s in every[1:-1]}
     assert list(splits) == labels
     main = _config(spec)
     if "short" in splits:

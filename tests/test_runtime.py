@@ -242,7 +242,8 @@ def test_each_length_range_runs_its_kernel():
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    _, split, long_split = seqlen_splits(spec, "sm_90a")  # (decode's range: test_decode_launch_goes_to_its_kernel)
+    # (decode's range and the paged kernel: test_decode_launch_goes_to_its_kernel)
+    _, split, long_split, _ = seqlen_splits(spec, "sm_90a")
     assert (split.label, long_split.label, long_split.min_seqlen_q) == ("short", "long", 4096)
     short = AttentionKernel(spec, split.plan, Recorder(), key="short")
     long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
@@ -389,6 +390,60 @@ def test_decode_launch_goes_to_its_kernel():
     plain = AttentionKernel(documents, fa4gen.plan(documents, "sm_90a"), Recorder())
     with pytest.raises(ValueError, match="seqused_k= needs the decode kernel.*mask: document"):
         plain(q, k, v, seqused_k=lengths)
+    with pytest.raises(ValueError, match="page_table= needs the paged decode kernel.*mask: document"):
+        plain(q, k, v, page_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="page_table= runs on the paged decode kernel"):  # (a bare range's kernel)
+        AttentionKernel._launch(decode, q, k, v, page_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_paged_launch_goes_to_the_paged_kernel():
+    """A launch with a page table runs the paged split's kernel whatever its query length, with
+    or without cache lengths."""
+    from fa4gen.planner import seqlen_splits
+    from fa4gen.runtime import SplitKernel
+
+    spec = fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)
+    paged_split = seqlen_splits(spec, "sm_90a")[-1]
+    assert paged_split.page_table and not paged_split.covers(1) and not paged_split.covers(10**6)
+    paged = AttentionKernel(spec, paged_split.plan, Recorder(), key="paged")
+    launched = []
+    paged._launch = lambda q, k, v, **kwargs: launched.append((q.shape[1], sorted(kwargs))) or "paged result"
+    kernel = AttentionKernel(
+        spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main", splits=(SplitKernel(paged_split, paged),)
+    )
+    assert kernel.paged_kernel() is paged and kernel.kernel_for(1) is kernel
+    q, pool = torch.randn(2, 300, 8, 128).bfloat16(), torch.randn(5, 16, 2, 128).bfloat16()
+    table, lengths = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([5, 40], dtype=torch.int32)
+    assert kernel(q, pool, pool, page_table=table) == "paged result"
+    assert kernel(q[:, :1], pool, pool, page_table=table, seqused_k=lengths) == "paged result"
+    assert launched == [(300, ["lse", "out", "page_table"]), (1, ["lse", "out", "page_table", "seqused_k"])]
+
+
+def _pool(pages: int, page_size: int):
+    return torch.randn(pages, page_size, 2, 128).bfloat16()
+
+
+@pytest.mark.parametrize(
+    "k, v, table, message",
+    [
+        (_pool(4, 24), _pool(4, 24), torch.zeros(2, 3, dtype=torch.int32), "page pool .* multiple of 16 tokens"),
+        (_pool(4, 8), _pool(4, 8), torch.zeros(2, 3, dtype=torch.int32), "multiple of 16 tokens"),
+        (_pool(4, 16), _pool(5, 16), torch.zeros(2, 3, dtype=torch.int32), "k and v must be one page pool"),
+        (_pool(4, 16), _pool(4, 16), torch.zeros(2, 3), "page_table must be int32 of shape \\(2, max_pages\\)"),
+        (_pool(4, 16), _pool(4, 16), torch.zeros(3, 3, dtype=torch.int32), "of shape \\(2, max_pages\\)"),
+        (_pool(4, 16), _pool(4, 16), torch.zeros(2, dtype=torch.int32), "of shape \\(2, max_pages\\)"),
+        (_pool(4, 16), _pool(4, 16), torch.zeros(2, 0, dtype=torch.int32), "no columns"),
+        (_pool(4, 16), _pool(4, 16), torch.zeros(3, 2, dtype=torch.int32).t(), "must be contiguous"),
+        (_pool(4, 16), _pool(4, 16), [[0, 1], [2, 3]], "page_table must be a torch.Tensor"),
+    ],
+)
+def test_bad_page_tables_raise_naming_the_argument(k, v, table, message):
+    from fa4gen.runtime import check_page_table
+
+    q = torch.randn(2, 1, 8, 128).bfloat16()
+    with pytest.raises(ValueError, match=message):
+        check_page_table(table, q, k, v)
+    check_page_table(torch.zeros(2, 3, dtype=torch.int32), q, _pool(4, 16), _pool(4, 16))
 
 
 @pytest.mark.parametrize(

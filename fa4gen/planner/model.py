@@ -68,20 +68,27 @@ class Plan(BaseModel):
 
 class SeqlenSplit(BaseModel):
     """Another plan for launches whose longest query sequence has between ``min_seqlen_q`` and
-    ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call."""
+    ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call. With
+    ``page_table`` the plan runs the launches over a paged KV cache instead, whatever their length."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     label: str  # names the range in CLI output and golden files (e.g. short)
     min_seqlen_q: int = 1
     max_seqlen_q: int | None = None
+    page_table: bool = False
     plan: Plan
     reason: str
 
     def covers(self, seqlen_q: int) -> bool:
+        """Whether a launch without a page table of this longest query length runs this plan."""
+        if self.page_table:
+            return False
         return self.min_seqlen_q <= seqlen_q and (self.max_seqlen_q is None or seqlen_q <= self.max_seqlen_q)
 
     def rows(self) -> str:
+        if self.page_table:
+            return "launches with a page_table, any query length"
         if self.max_seqlen_q is None:
             return f"at least {self.min_seqlen_q} query rows"
         if self.min_seqlen_q <= 1:

@@ -8,15 +8,17 @@ says which variants have no decode kernel; their launches stay on the forward ke
 from __future__ import annotations
 
 from fa4gen.arch import MMA_K_GRANULE, WGMMA_M
-from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.decode_config import PAGE_BOX, Sm90DecodeConfig, decode_config_problem
 from fa4gen.planner.fields import variant_fields
 from fa4gen.planner.model import Plan, SeqlenSplit
 from fa4gen.planner.sm90_tables import (
     DECODE_MAX_PACKED_ROWS,
     DECODE_MAX_ROWS_MHA,
+    DECODE_PAIR_REGISTERS,
     RESCALE_THRESHOLD_LOG2,
     SM90_DECODE_REGISTER_SPLIT,
     SM90_DECODE_TILES,
+    SM90_PAGED_PRODUCER_REGS,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -33,6 +35,12 @@ VARIANT_FIELDS = (
     "sinks",
     "return_lse",
     "extra_names",
+)
+
+
+PAGED_REASON = (
+    f"K/V from a page pool through a page table: {PAGE_BOX}-key TMA boxes (the smallest page), each from its "
+    "own page, so any page size that is a multiple of it runs without a recompile"
 )
 
 
@@ -56,8 +64,9 @@ def decode_max_seqlen_q(spec: AttentionSpec) -> int:
     return max(1, DECODE_MAX_PACKED_ROWS // spec.qhead_per_kvhead)
 
 
-def plan_decode_sm90(spec: AttentionSpec) -> Plan:
-    """The decode kernel's plan; ValueError naming the field where the variant has none."""
+def plan_decode_sm90(spec: AttentionSpec, paged: bool = False) -> Plan:
+    """The decode kernel's plan (``paged``: over a paged cache); ValueError naming the field where
+    the variant has none."""
     problem = decode_problem(spec)
     if problem:
         raise ValueError(problem)
@@ -65,12 +74,17 @@ def plan_decode_sm90(spec: AttentionSpec) -> Plan:
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
     row = next(r for r in SM90_DECODE_TILES if max(dqk, dv) <= r.max_head_dim)
     producer_regs, consumer_regs = SM90_DECODE_REGISTER_SPLIT
+    if paged:
+        producer_regs = SM90_PAGED_PRODUCER_REGS[row.ctas_per_sm]
+        if row.ctas_per_sm > 1:
+            consumer_regs = DECODE_PAIR_REGISTERS - producer_regs
     config = Sm90DecodeConfig(
         **variant,
         head_dim_padded=dqk,
         head_dim_v_padded=dv,
         tile_n=row.tile_n,
         kv_stages=row.kv_stages,
+        paged=paged,
         ctas_per_sm=row.ctas_per_sm,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
         producer_regs=producer_regs,
@@ -79,6 +93,10 @@ def plan_decode_sm90(spec: AttentionSpec) -> Plan:
     problem = decode_config_problem(config)
     assert not problem, problem
     regs = "the producer warpgroup only issues TMA; the consumer holds S, P and O"
+    if paged:
+        regs = (
+            "the producer issues TMA and walks the page table (at 24 registers it spills); the consumer holds S, P, O"
+        )
     return Plan(
         arch="sm_90a",
         kernel=KERNEL,
@@ -89,6 +107,7 @@ def plan_decode_sm90(spec: AttentionSpec) -> Plan:
             "head_dim_v_padded": f"head_dim_v {spec.dv} rounded up to {MMA_K_GRANULE}",
             "tile_n": row.reason,
             "kv_stages": row.reason,
+            "paged": PAGED_REASON if paged else "K/V contiguous per batch entry, one TMA box per key tile",
             "ctas_per_sm": row.reason,
             "rescale_threshold": "O rescaled only where a row max grows past 2^8, as in the forward",
             "producer_regs": regs,
@@ -109,3 +128,11 @@ def decode_split(spec: AttentionSpec) -> SeqlenSplit | None:
         else "keys split over CTAs where the launch leaves SMs idle"
     )
     return SeqlenSplit(label="decode", max_seqlen_q=top, plan=plan_decode_sm90(spec), reason=why)
+
+
+def paged_split(spec: AttentionSpec) -> SeqlenSplit | None:
+    """The paged decode kernel, which runs every launch that passes a page table (None where the
+    variant has no decode kernel)."""
+    if decode_problem(spec):
+        return None
+    return SeqlenSplit(label="paged", page_table=True, plan=plan_decode_sm90(spec, paged=True), reason=PAGED_REASON)

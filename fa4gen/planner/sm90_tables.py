@@ -299,6 +299,11 @@ SM90_DECODE_TILES = (
 # producer, consumer warpgroup: the producer only issues TMA; 256 registers per thread pair fit
 # two CTAs of 256 threads per SM
 SM90_DECODE_REGISTER_SPLIT = (24, 232)
+DECODE_PAIR_REGISTERS = 256  # producer + consumer registers per thread pair at two CTAs per SM
+# paged, by CTAs per SM: the producer also walks the page table (entries, slots, box rows),
+# which spills at 24 (and at 32 with d256's 32 boxes per key tile); the consumer keeps 232 where
+# one CTA holds the SM, else the pair's rest
+SM90_PAGED_PRODUCER_REGS = {1: 40, 2: 32}
 # Query lengths the decode kernel takes (packed rows = Sq x G, one 64-row tile): GQA launches up to
 # 64 packed rows; MHA (nothing to pack) only up to 16 query rows, where a launch still leaves SMs
 # idle without split-KV and the forward's overlapped steps win past it.

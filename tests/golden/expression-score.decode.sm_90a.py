@@ -64,6 +64,7 @@ CONFIG = Sm90DecodeConfig(
     head_dim_v_padded=128,
     tile_n=64,
     kv_stages=3,
+    paged=False,
     ctas_per_sm=2,
     rescale_threshold=8.0,
     producer_regs=24,
@@ -77,7 +78,7 @@ def make_kernel() -> HopperAttentionDecode:
 
 @cute.jit
 def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse, o_part: cute.Tensor, lse_part: cute.Tensor,
-          seqused_k: cute.Tensor, num_splits: Int32, x_temperature: cute.Tensor, x_strength: Float32,
+          seqused_k: cute.Tensor, page_table, counters: cute.Tensor, num_splits: Int32, x_temperature: cute.Tensor, x_strength: Float32,
           stream: cuda.CUstream):
     """The exported function: flat arguments, the variant's extras gathered into one tuple."""
-    make_kernel()(q, k, v, o, lse, o_part, lse_part, seqused_k, num_splits, (x_temperature, x_strength, ), stream)
+    make_kernel()(q, k, v, o, lse, o_part, lse_part, seqused_k, page_table, counters, num_splits, (x_temperature, x_strength, ), stream)

@@ -13,8 +13,16 @@ Each batch entry's keys end at its own cache length (``seqused_k``, at most the 
 masks and score modifiers see that length as Sk, and query row i sits at key position
 i + length - Sq. The visible key tiles of a query tile are split evenly over ``num_splits`` CTAs
 (a run-time value, fa4gen.kernels.sm90.decode_config.decode_splits). With one split the CTA
-writes O and the LSE; with more, each writes its normalised partial O (fp32) and LSE, and a
-second kernel (``combine``) merges a row's partials by their LSE, adding the sink there.
+writes O and the LSE; with more, each writes its normalised partial O (fp32) and LSE and counts
+itself into its query tile's counter, and the last of them to count in merges the tile's
+partials by their LSE, adding the sink there, and lowers the counter again for the next launch
+(``arrives_last``, ``combine_tile``): no second launch, and no CTA waits for another.
+
+A paged kernel (config.paged) reads K and V from a pool of pages (pages, page size, Hkv, D)
+through a page table (B, max pages): each key tile arrives as boxes of PAGE_BOX keys, each box
+from its own page (a page size a multiple of PAGE_BOX never splits a box), one TMA copy per box
+into its rows of the stage; the producer warp's lanes read the next tile's table entries while
+the current tile's boxes issue, and clamp every entry into the pool.
 """
 
 from __future__ import annotations
@@ -37,12 +45,12 @@ from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.common.softmax import LN2, OnlineSoftmax
 from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.config import NamedBarrier
-from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.decode_config import PAGE_BOX, Sm90DecodeConfig, decode_config_problem
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
-Q_VECTOR = 8  # 16-bit elements per 16-byte load of a Q row
-COMBINE_WARPS = 4  # packed rows per combine CTA (a warp each)
+VECTOR = 8  # 16-bit elements per 16 bytes (Q loads, V clears)
+COMBINE_WARPS = WARPGROUP_THREADS // 32  # packed rows the last split merges at once (a warp each)
 
 
 def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tuple) -> cute.Tensor:
@@ -92,26 +100,35 @@ class HopperAttentionDecode:
         mOPart: cute.Tensor,  # (splits, B, Sq, Hq, Dv) fp32: the partial outputs (read with 2+ splits)
         mLSEPart: cute.Tensor,  # (splits, B, Hq, Sq) fp32: their LSE
         mSeqUsedK: cute.Tensor,  # (B,) int32: each batch entry's cache length
+        mPageTable: Optional[cute.Tensor],  # (B, max pages) int32 with a paged config, else None
+        mCounters: cute.Tensor,  # (B, Hkv, query tiles) int32, zero: splits counted in (read with 2+ splits)
         num_splits: Int32,
         extras: tuple,
         stream: cuda.CUstream,
     ):
         self.dtype = mQ.element_type
         G = self.group
-        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))  # (S, D, H, B)
-        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))  # (Dv, S, H, B)
+        # (S, D, H, B) and (Dv, S, H, B); paged: (page size, D, H, pages) and (Dv, page size, H, pages)
+        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
-        stage = (None, None, 0)
+        k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sV_layout, (None, None, 0))
+        keys = self.tile_n
+        if cutlass.const_expr(self.cfg.paged):  # one box: PAGE_BOX rows of a stage
+            keys = PAGE_BOX
+            k_box = cute.slice_(cute.flat_divide(k_box, (keys, self.dqk)), (None, None, 0, 0))
+            v_box = cute.slice_(cute.flat_divide(v_box, (self.dv, keys)), (None, None, 0, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
-        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, cute.slice_(sV_layout, stage), (self.dv, self.tile_n))
-        self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, stage))
-        self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, stage))
+        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, k_box, (keys, self.dqk))
+        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, v_box, (self.dv, keys))
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            last: cute.struct.MemRange[Int32, 1]  # whether this CTA counted in last (arrives_last)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
@@ -138,6 +155,8 @@ class HopperAttentionDecode:
             o_part,
             lse_part,
             mSeqUsedK,
+            mPageTable,
+            mCounters,
             num_splits,
             mQ.shape[1],
             sQ_layout,
@@ -154,12 +173,6 @@ class HopperAttentionDecode:
             # for it while tracing (artifacts depend on no device)
             preferred_smem_carveout=100,
         )
-        if num_splits > 1:
-            self.combine(o_part, lse_part, o, lse, num_splits, mQ.shape[1], extras).launch(
-                grid=(cute.ceil_div(rows, COMBINE_WARPS), kv_heads, batch),
-                block=[COMBINE_WARPS * 32, 1, 1],
-                stream=stream,
-            )
 
     def _smem_layouts(self):
         """Q: 64 packed rows (the Q.K^T A operand); K and V one stage per ring slot (V as the
@@ -194,6 +207,8 @@ class HopperAttentionDecode:
         mOPart,
         mLSEPart,
         mSeqUsedK,
+        mPageTable: Optional[cute.Tensor],
+        mCounters,
         num_splits: Int32,
         seqlen_q: Int32,
         sQ_layout,
@@ -212,14 +227,21 @@ class HopperAttentionDecode:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         args = VariantArgs(self.cfg.extra_names, extras)
-        work = self.work_of(mSeqUsedK, mK.shape[0], num_splits, seqlen_q, args)
+        capacity = mK.shape[0]  # the cache's Sk, or a paged entry's pages x page size
+        if cutlass.const_expr(self.cfg.paged):
+            capacity = mK.shape[0] * mPageTable.shape[1]
+        work = self.work_of(mSeqUsedK, capacity, num_splits, seqlen_q, args)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, work)
+                if cutlass.const_expr(self.cfg.paged):
+                    self.produce_paged(tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, mPageTable, work)
+                else:
+                    self.produce(tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, work)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, pipe_k, pipe_v, work, num_splits, args)
+            splits = (mOPart, mLSEPart, mCounters, storage.last.get_tensor(cute.make_layout(1)), num_splits)
+            self.consume(mQ, mO, mLSE, sQ, sK, sV, pipe_k, pipe_v, work, splits, args)
 
     @cute.jit
     def work_of(self, mSeqUsedK, capacity: Int32, num_splits: Int32, seqlen_q: Int32, args):
@@ -270,30 +292,80 @@ class HopperAttentionDecode:
             state.advance()
 
     @cute.jit
+    def produce_paged(self, tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, mPageTable, work):
+        """``produce`` over a paged cache: key tile n's box c (keys n * tile_n + c * PAGE_BOX on)
+        comes from row box (key % page size) / PAGE_BOX of the page the table gives for
+        key / page size. Lane c holds box c's page, read one tile ahead."""
+        _, _, kv_head, batch, _, _, lo, count, _, _ = work
+        one = cute.make_layout(1)
+        page_size, num_pages, max_pages = mK.shape[0], mK.shape[3], mPageTable.shape[1]
+        # ((box), (row box, 1, page)) and ((box), (1, row box, page)) in global memory; the stages'
+        # boxes (box, c, 1, stage) and (box, 1, c, stage)
+        gK = cute.zipped_divide(mK[None, None, kv_head, None], (PAGE_BOX, self.dqk))
+        gVt = cute.zipped_divide(mVt[None, None, kv_head, None], (self.dv, PAGE_BOX))
+        sKb = cute.group_modes(cute.flat_divide(sK, (PAGE_BOX, self.dqk)), 0, 2)
+        sVb = cute.group_modes(cute.flat_divide(sV, (self.dv, PAGE_BOX)), 0, 2)
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, sKb, gK)
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, sVb, gVt)
+        table, lane = mPageTable[batch, None], cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        pages = self.page_of(table, lo, lane, page_size, max_pages, num_pages)
+        for i in cutlass.range(count, unroll=1):
+            current = pages
+            # (the next tile's entries: their latency overlaps this tile's waits and copies)
+            pages = self.page_of(table, lo + i + 1, lane, page_size, max_pages, num_pages)
+            pipe_k.producer_acquire(state)
+            for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
+                page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(lo + i, c, page_size)
+                barrier = pipe_k.producer_get_barrier(state)
+                cute.copy(tma_k, tKg[None, (row, 0, page)], tKs[None, c, 0, state.index], tma_bar_ptr=barrier)
+            pipe_v.producer_acquire(state)
+            for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
+                page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(lo + i, c, page_size)
+                barrier = pipe_v.producer_get_barrier(state)
+                cute.copy(tma_v, tVg[None, (0, row, page)], tVs[None, 0, c, state.index], tma_bar_ptr=barrier)
+            state.advance()
+
+    @cute.jit
+    def page_of(self, table, n_block: Int32, box: Int32, page_size: Int32, max_pages: Int32, num_pages: Int32):
+        """The page of box ``box`` of key tile ``n_block`` (``table``: the entry's row of the page
+        table), slot and entry clamped: a tile past an entry's pages, or an entry out of range,
+        reads a page of the pool."""
+        slot = (n_block * self.tile_n + box * PAGE_BOX) // page_size
+        page = table[cutlass.min(slot, max_pages - 1)]
+        return cutlass.min(cutlass.max(page, 0), num_pages - 1)
+
+    @cute.jit
+    def row_box_of(self, n_block: Int32, box: Int32, page_size: Int32):
+        """Which PAGE_BOX rows of its page box ``box`` of key tile ``n_block`` reads."""
+        return (n_block * self.tile_n + box * PAGE_BOX) % page_size // PAGE_BOX
+
+    @cute.jit
     def load_q(self, mQ, sQ, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, wtidx: Int32):
         """The tile's 64 packed Q rows into shared memory, 16 bytes per load; rows past the
         group's Sq x G and columns past the head dim are zero. Ordered before the warpgroup's
         MMAs read them (generic-proxy stores, async-proxy reads)."""
         gQ = mQ[None, None, kv_head, batch]  # ((G, Sq), D)
         rows = seqlen_q * self.group
-        vectors = self.dqk // Q_VECTOR
-        chunk = cute.make_rmem_tensor(cute.make_layout(Q_VECTOR), self.dtype)
+        vectors = self.dqk // VECTOR
+        chunk = cute.make_rmem_tensor(cute.make_layout(VECTOR), self.dtype)
         for i in cutlass.range_constexpr(WGMMA_M * vectors // WARPGROUP_THREADS):
             v = wtidx + i * WARPGROUP_THREADS
-            row, col = v // vectors, v % vectors * Q_VECTOR
+            row, col = v // vectors, v % vectors * VECTOR
             packed = m_block * WGMMA_M + row
             chunk.fill(0.0)
             if packed < rows and col < self.cfg.head_dim:
-                for j in cutlass.range_constexpr(Q_VECTOR):
+                for j in cutlass.range_constexpr(VECTOR):
                     chunk[j] = gQ[packed, col + j]
-            for j in cutlass.range_constexpr(Q_VECTOR):
+            for j in cutlass.range_constexpr(VECTOR):
                 sQ[row, col + j] = chunk[j]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
-    def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, pipe_k, pipe_v, work, num_splits: Int32, args):
-        """The consumer warpgroup: Q, then every key tile of its run, then its output."""
+    def consume(self, mQ, mO, mLSE, sQ, sK, sV, pipe_k, pipe_v, work, splits: tuple, args):
+        """The consumer warpgroup: Q, then every key tile of its run, then its output (``splits``:
+        the partials, their counters, the ``last`` word in shared memory and the split count)."""
         m_block, split, kv_head, batch, seqlen_q, length, lo, count, split_lo, split_hi = work
         wtidx = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
         self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx)
@@ -333,6 +405,8 @@ class HopperAttentionDecode:
             store_as_operand_a(acc_s, p, self.softmax.rescale_threshold > 0.0)
             self.softmax.rescale(rows_cols_view(acc_o), correction)
             pipe_v.consumer_wait(v_state)
+            if (n_block + 1) * self.tile_n > length:  # the tile holding the cache's last key
+                self.clear_keys_from(sV[None, None, v_state.index], length - n_block * self.tile_n, wtidx)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
                 cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_state.index], acc_o)
@@ -342,7 +416,20 @@ class HopperAttentionDecode:
             k_state.advance()
             v_state.advance()
         o_coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((WGMMA_M, self.dv))))
-        self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, mOPart, mLSEPart, work, num_splits, args)
+        self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, args)
+
+    @cute.jit
+    def clear_keys_from(self, sVt, first: Int32, wtidx: Int32):
+        """Zero the V rows of keys ``first`` .. tile_n - 1 of a stage (``sVt``: (Dv, keys)). Their
+        P is 0, but 0 x NaN is NaN, and a cache's slots past an entry's length (or a clamped
+        page's) may hold anything. Ordered before the warpgroup's MMA reads them."""
+        vectors = self.dv // VECTOR
+        for v in cutlass.range(wtidx, (self.tile_n - first) * vectors, WARPGROUP_THREADS, unroll=1):
+            key, col = first + v // vectors, v % vectors * VECTOR
+            for j in cutlass.range_constexpr(VECTOR):
+                sVt[col + j, key] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def row_positions(self, coords, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, length: Int32, args):
@@ -397,12 +484,12 @@ class HopperAttentionDecode:
                     scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
 
     @cute.jit
-    def store(
-        self, acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, mOPart, mLSEPart, work, num_splits: Int32, args
-    ):
+    def store(self, acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits: tuple, wtidx: Int32, args):
         """With one split: O normalised (the sink in its denominator) and the LSE. With more:
-        this split's O normalised by its own sum, fp32, and its LSE, for ``combine``."""
+        this split's O normalised by its own sum, fp32, and its LSE; the last split to finish
+        then merges them all (``combine_tile``)."""
         m_block, split, kv_head, batch, seqlen_q, _, _, _, _, _ = work
+        mOPart, mLSEPart, mCounters, sLast, num_splits = splits
         out = rows_cols_view(acc_o)
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         rows = seqlen_q * self.group
@@ -427,6 +514,31 @@ class HopperAttentionDecode:
                 None,
                 None,
             )
+            counter = mCounters.iterator + cute.crd2idx((batch, kv_head, m_block), mCounters.layout)
+            if self.arrives_last(counter, num_splits, sLast, wtidx):
+                self.combine_tile(
+                    mOPart, mLSEPart, mO, mLSE, m_block, kv_head, batch, seqlen_q, num_splits, wtidx, args
+                )
+
+    @cute.jit
+    def arrives_last(self, counter, num_splits: Int32, sLast, wtidx: Int32):
+        """Count this CTA into its query tile's ``counter`` once the warpgroup's partial stores
+        are visible GPU-wide; True in the CTA that counts in last (it lowers the counter again
+        for the next launch: every split has counted in by then), whose threads then see every
+        split's partial."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+        if wtidx == 0:
+            before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+            sLast[0] = Int32(0)
+            if before == num_splits - 1:
+                sLast[0] = Int32(1)
+                cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+        last = sLast[0] == Int32(1)
+        if last:
+            cute.arch.fence_acq_rel_gpu()
+        return last
 
     @cute.jit
     def write_rows(self, out, o_coords, lse, m_block: Int32, rows: Int32, gO, gLSE, kv_head, batch):
@@ -448,49 +560,67 @@ class HopperAttentionDecode:
                             gLSE[packed, kv_head, batch] = lse[r]
 
     # ------------------------------------------------------------------ split combine
-    @cute.kernel
-    def combine(self, mOPart, mLSEPart, mO, mLSE: Optional[cute.Tensor], num_splits: Int32, seqlen_q: Int32, extras):
-        """One warp per packed row: O = sum_s exp(lse_s - lse) O_s over the splits, with
-        lse = log(sum_s exp(lse_s) + exp(sink)); lanes take columns lane, lane + 32, ..."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, kv_head, batch = cute.arch.block_idx()
-        lane = tidx % 32
-        packed = bx * COMBINE_WARPS + tidx // 32
-        args = VariantArgs(self.cfg.extra_names, extras)
-        if packed < seqlen_q * self.group:
-            log2e = Float32(1.0 / LN2)
-            top = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=1):
-                top = cute.arch.fmax(top, mLSEPart[packed, kv_head, batch, s] * log2e)
-            sink = Float32(0.0)
-            if cutlass.const_expr(self.cfg.sinks):
-                sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
-                top = cute.arch.fmax(top, sink)
-            safe = top
-            if top == -Float32.inf:
-                safe = Float32(0.0)
-            columns = cute.ceil_div(self.dv, 32)
-            acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
-            acc.fill(0.0)
-            total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
-                weight = cute.math.exp2(mLSEPart[packed, kv_head, batch, s] * log2e - safe, fastmath=True)
-                total = total + weight
-                for j in cutlass.range_constexpr(columns):
-                    col = lane + 32 * j
-                    if col < self.cfg.head_dim_v:
-                        acc[j] = acc[j] + weight * mOPart[packed, col, kv_head, batch, s]
-            if cutlass.const_expr(self.cfg.sinks):
-                total = total + cute.math.exp2(sink - safe, fastmath=True)
-            inv = Float32(0.0)
-            lse = -Float32.inf
-            if total > Float32(0.0):
-                inv = cute.arch.rcp_approx(total)
-                lse = (safe + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+    @cute.jit
+    def combine_tile(
+        self,
+        mOPart,
+        mLSEPart,
+        mO,
+        mLSE,
+        m_block: Int32,
+        kv_head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        num_splits,
+        wtidx,
+        args,
+    ):
+        """The last split of a query tile merges the tile's rows, a warp per packed row."""
+        lane, rows = wtidx % 32, seqlen_q * self.group
+        for r in cutlass.range(wtidx // 32, WGMMA_M, COMBINE_WARPS, unroll=1):
+            packed = m_block * WGMMA_M + r
+            if packed < rows:
+                self.combine_row(mOPart, mLSEPart, mO, mLSE, packed, kv_head, batch, lane, num_splits, args)
+
+    @cute.jit
+    def combine_row(
+        self, mOPart, mLSEPart, mO, mLSE, packed: Int32, kv_head: Int32, batch: Int32, lane, num_splits, args
+    ):
+        """O = sum_s exp(lse_s - lse) O_s over the splits, with lse = log(sum_s exp(lse_s) +
+        exp(sink)); lanes take columns lane, lane + 32, ..."""
+        log2e = Float32(1.0 / LN2)
+        top = -Float32.inf
+        for s in cutlass.range(num_splits, unroll=1):
+            top = cute.arch.fmax(top, mLSEPart[packed, kv_head, batch, s] * log2e)
+        sink = Float32(0.0)
+        if cutlass.const_expr(self.cfg.sinks):
+            sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
+            top = cute.arch.fmax(top, sink)
+        safe = top
+        if top == -Float32.inf:
+            safe = Float32(0.0)
+        columns = cute.ceil_div(self.dv, 32)
+        acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
+        acc.fill(0.0)
+        total = Float32(0.0)
+        for s in cutlass.range(num_splits, unroll=1):
+            weight = cute.math.exp2(mLSEPart[packed, kv_head, batch, s] * log2e - safe, fastmath=True)
+            total = total + weight
             for j in cutlass.range_constexpr(columns):
                 col = lane + 32 * j
                 if col < self.cfg.head_dim_v:
-                    mO[packed, col, kv_head, batch] = (acc[j] * inv).to(mO.element_type)
-            if cutlass.const_expr(mLSE is not None):
-                if lane == 0:
-                    mLSE[packed, kv_head, batch] = lse
+                    acc[j] = acc[j] + weight * mOPart[packed, col, kv_head, batch, s]
+        if cutlass.const_expr(self.cfg.sinks):
+            total = total + cute.math.exp2(sink - safe, fastmath=True)
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = cute.arch.rcp_approx(total)
+            lse = (safe + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+        for j in cutlass.range_constexpr(columns):
+            col = lane + 32 * j
+            if col < self.cfg.head_dim_v:
+                mO[packed, col, kv_head, batch] = (acc[j] * inv).to(mO.element_type)
+        if cutlass.const_expr(mLSE is not None):
+            if lane == 0:
+                mLSE[packed, kv_head, batch] = lse

@@ -5,7 +5,9 @@ the query rows of all the head's query heads into its 64-row tile (row = query i
 size + query head in the group), so every K/V tile is read once per group, not once per query
 head; the keys of a (batch, KV head) may be split over several CTAs (split-KV), whose partial
 outputs one more kernel merges by their LSE. The split count is a run-time argument (the host
-picks it from the problem size and the SM count: ``decode_splits``), never a recompile.
+picks it from the problem size and the SM count: ``decode_splits``), never a recompile. A paged
+config reads K/V from a page pool through a page table, whose page size (a multiple of
+PAGE_BOX) is a run-time value.
 
 Like config.py this module imports no CuTe DSL: the planner, ``fa4gen.build`` and the kernel's
 constructor all call ``decode_config_problem``.
@@ -21,6 +23,7 @@ from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M, Arch
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
+PAGE_BOX = 16  # keys per TMA box of a paged cache: the smallest page size (vLLM's default)
 
 
 class Sm90DecodeConfig(BaseModel):
@@ -45,6 +48,7 @@ class Sm90DecodeConfig(BaseModel):
     head_dim_v_padded: int
     tile_n: int  # keys per step
     kv_stages: int  # depth of the K and V rings
+    paged: bool  # K/V from a pool of pages through a page table, PAGE_BOX keys per TMA box
     ctas_per_sm: int  # CTAs one SM holds at once (shared memory and registers split between them)
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     producer_regs: int
@@ -70,6 +74,8 @@ def decode_config_problem(c: Sm90DecodeConfig) -> str:
         return extents
     if c.tile_n > 256 or c.kv_stages < 2 or c.ctas_per_sm not in (1, 2):
         return "tile_n must be at most 256, kv_stages at least 2 and ctas_per_sm 1 or 2"
+    if c.paged and (c.tile_n % PAGE_BOX or c.tile_n // PAGE_BOX > 32):
+        return f"a paged tile_n must be a multiple of {PAGE_BOX} keys, at most 32 boxes (a lane's page each)"
     smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + c.consumer_regs)
     if c.ctas_per_sm > 1:
         caps = Arch.SM90A.caps
