@@ -322,13 +322,26 @@ class AttentionKernel:
             given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         if block_mask is not None and self._lowered.mask is None:
             raise ValueError("block_mask= was given, but the spec has no expression mask")
-        if self._lowered.mask is not None:
+        if self._lowered.mask is not None and self.plan.is_decode:
+            # the decode kernel evaluates the mask on every key tile it runs: no block mask to
+            # build or check (a given one, made for the forward's tiles, goes unused)
+            given.update(zip(("block_count", "block_index", "block_full"), unused_block_mask(q.device)))
+        elif self._lowered.mask is not None:
             if block_mask is None:
                 block_mask = self._cached_block_mask(q, k, aux)
             check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
             given.update(block_count=block_mask.count, block_index=block_mask.index, block_full=block_mask.full)
+        # a page pool's keys: an entry's capacity, its table's pages x the page size (aux sizes "Sk")
+        seqlen_k = k.shape[1] * (1 if page_table is None else page_table.shape[1])
         extras = variant_arguments(
-            self.spec, q, k, given, aux, max_seqlens=(max_seqlen_q, max_seqlen_k), lowered=self._lowered
+            self.spec,
+            q,
+            k,
+            given,
+            aux,
+            max_seqlens=(max_seqlen_q, max_seqlen_k),
+            lowered=self._lowered,
+            seqlen_k=seqlen_k,
         )
         if seqused_k is not None:
             check_cache_lengths(seqused_k, batch, q.device)
@@ -682,6 +695,16 @@ def full_cache_lengths(batch: int, seqlen_k: int, device):
     )
 
 
+def unused_block_mask(device):
+    """Stand-ins for a block mask's (count, index, full), int32, for kernels that never read it."""
+    import torch
+
+    shapes = ((1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+    return _kept(
+        ("block mask", device), lambda: tuple(torch.zeros(s, dtype=torch.int32, device=device) for s in shapes)
+    )
+
+
 def decode_partials(splits: int, out_shape: tuple, device):
     """Split-KV partial outputs (splits, B, Sq, Hq, Dv) and LSE (splits, B, Hq, Sq), fp32, made per
     launch; with one split the kernel never reads them, so a kept stand-in of one element per mode."""
@@ -893,9 +916,11 @@ def variant_arguments(
     aux: dict[str, Any] | None,
     max_seqlens: tuple = (None, None),
     lowered=None,
+    seqlen_k: int | None = None,
 ) -> list[Any]:
     """The kernel's extras in order (fa4gen.variants.lower), each checked before any launch, as are
-    the call inputs they derive from."""
+    the call inputs they derive from; ``seqlen_k``: the keys aux sizes "Sk" count (k's dim 1
+    unless given: a page pool's is the page size)."""
     lowered = lowered or lower(spec)
     extras = lowered.extras
     wanted = {e.name if e.role == "aux_grad" else e.role for e in (*lowered.inputs, *extras)}
@@ -915,7 +940,8 @@ def variant_arguments(
         )
     cu_q = given.get("cu_seqlens_q")
     docs = cu_q.shape[0] if getattr(cu_q, "ndim", 0) == 1 else 0
-    sizes = {"B": q.shape[0], "Hq": q.shape[2], "Hkv": k.shape[2], "Sq": q.shape[1], "Sk": k.shape[1], "docs+1": docs}
+    seqlen_k = k.shape[1] if seqlen_k is None else seqlen_k
+    sizes = {"B": q.shape[0], "Hq": q.shape[2], "Hkv": k.shape[2], "Sq": q.shape[1], "Sk": seqlen_k, "docs+1": docs}
     index = given.get("block_index")
     if index is not None:  # checked against the plan by check_block_mask; here only named
         sizes.update(zip(("mask_B", "mask_H", "M", "N"), index.shape))

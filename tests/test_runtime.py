@@ -462,3 +462,21 @@ def test_bad_cache_lengths_raise_naming_the_argument(lengths, message):
     with pytest.raises(ValueError, match=message):
         check_cache_lengths(lengths, 2, torch.device("cpu"))
     check_cache_lengths(torch.tensor([5, 0], dtype=torch.int32), 2, torch.device("cpu"))
+
+
+def test_a_page_pool_sizes_sk_tensors_by_its_capacity():
+    """An aux tensor over the keys ("Sk") of a paged launch has one entry per key of an entry's
+    pages (table columns x page size), not per key of one page."""
+    from fa4gen.runtime import variant_arguments
+
+    spec = fa4gen.AttentionSpec(
+        head_dim=128,
+        qhead_per_kvhead=4,
+        causal=True,
+        score_mod={"kind": "expression", "expr": "score + key_bias[kv_idx]"},
+        aux={"key_bias": {"dtype": "float32", "shape": ["Sk"]}},
+    )
+    q, pool = torch.randn(2, 1, 8, 128).bfloat16(), torch.randn(9, 16, 2, 128).bfloat16()
+    assert len(variant_arguments(spec, q, pool, {}, {"key_bias": torch.randn(48)}, seqlen_k=3 * 16)) == 1
+    with pytest.raises(ValueError, match="key_bias must be a torch.float32 tensor of shape \\(48,\\)"):
+        variant_arguments(spec, q, pool, {}, {"key_bias": torch.randn(16)}, seqlen_k=3 * 16)
