@@ -22,6 +22,7 @@ import fa4gen.background as background
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.handles import register
+from fa4gen.kv_cache import check_cache_lengths, check_page_table, decode_arguments, unused_block_mask
 from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
@@ -288,28 +289,14 @@ class AttentionKernel:
             raise ValueError(
                 "page_table= runs on the paged decode kernel (AttentionKernel.paged_kernel), and only that one"
             )
-
         if lse is not None and not self.spec.return_lse:
             raise ValueError("lse= was given, but the spec was compiled without return_lse")
         varlen = self.spec.is_varlen
         if varlen:
             q, k, v = (_packed_as_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v, page_table)
-        o_shape = (batch, seqlen_q, heads_q, self.spec.dv)
-        lse_shape = (batch, heads_q, seqlen_q)
         given_out, given_lse = out, lse
-        if varlen:  # outputs keep the packed layout the caller uses; the kernel sees batch 1
-            out = None if out is None else _packed_as_batch("out", out, check=False)
-            lse = lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
-        if out is None:
-            out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
-        else:
-            _check_output("out", out, o_shape, q.dtype, q.device)
-        if self.spec.return_lse:
-            if lse is None:
-                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-            else:
-                _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        out, lse = self._outputs(q, out, lse)
         given = {
             "sinks": sinks,
             "alibi_slopes": alibi_slopes,
@@ -320,17 +307,7 @@ class AttentionKernel:
         }
         if varlen and tables_can_build(cu_seqlens_q, cu_seqlens_k):
             given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
-        if block_mask is not None and self._lowered.mask is None:
-            raise ValueError("block_mask= was given, but the spec has no expression mask")
-        if self._lowered.mask is not None and self.plan.is_decode:
-            # the decode kernel evaluates the mask on every key tile it runs: no block mask to
-            # build or check (a given one, made for the forward's tiles, goes unused)
-            given.update(zip(("block_count", "block_index", "block_full"), unused_block_mask(q.device)))
-        elif self._lowered.mask is not None:
-            if block_mask is None:
-                block_mask = self._cached_block_mask(q, k, aux)
-            check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
-            given.update(block_count=block_mask.count, block_index=block_mask.index, block_full=block_mask.full)
+        given.update(self._block_mask_arguments(q, k, block_mask, aux))
         # a page pool's keys: an entry's capacity, its table's pages x the page size (aux sizes "Sk")
         seqlen_k = k.shape[1] * (1 if page_table is None else page_table.shape[1])
         extras = variant_arguments(
@@ -360,24 +337,50 @@ class AttentionKernel:
             lse = None if lse is None else lse.squeeze(0) if given_lse is None else given_lse
         return (out, lse) if self.spec.return_lse else out
 
-    def _launch_decode(self, function, q, k, v, out, lse, seqused_k, page_table, extras) -> None:
-        """The decode kernel with its split count (from the sizes and this device's SMs), the
-        split partials and the cache lengths (every entry's the cache's capacity where none are
-        given: Sk, or a paged entry's pages x page size)."""
-        from fa4gen.kernels.sm90.decode_config import decode_splits
+    def _outputs(self, q, out, lse):
+        """(out, lse) to write: the given ones checked (a document mask's packed ones seen with
+        batch 1, as the kernel sees q), or new ones."""
+        import torch
 
-        c = self.plan.config
         batch, seqlen_q, heads_q = q.shape[:3]
-        capacity = k.shape[1] * (1 if page_table is None else page_table.shape[1])
-        if seqused_k is None:
-            seqused_k = full_cache_lengths(batch, capacity, q.device)
-        # one CTA per SM, not per CTA slot: the second slot of an SM gave more partials to merge and
-        # no speed (benchmarks/decode_splits.py, decision decode-kernel)
-        slots = multiprocessor_count(q.device)
-        splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_n, slots)
-        o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, self.spec.dv), q.device)
-        tiles = -(-seqlen_q * c.qhead_per_kvhead // c.tile_m)
-        counters = split_counters((batch, k.shape[2], tiles) if splits > 1 else (1, 1, 1), q.device)
+        o_shape, lse_shape = (batch, seqlen_q, heads_q, self.spec.dv), (batch, heads_q, seqlen_q)
+        if self.spec.is_varlen:  # outputs keep the packed layout the caller uses; the kernel sees batch 1
+            out = None if out is None else _packed_as_batch("out", out, check=False)
+            lse = lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
+        if out is None:
+            out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        else:
+            _check_output("out", out, o_shape, q.dtype, q.device)
+        if self.spec.return_lse:
+            if lse is None:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            else:
+                _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        return out, lse
+
+    def _block_mask_arguments(self, q, k, block_mask, aux) -> dict:
+        """An expression mask's block mask tensors: the given one (checked) or one built and
+        cached for the call's shape; the decode kernel evaluates the mask on every key tile it
+        runs, so its launches take stand-ins (a given block mask, made for the forward's tiles,
+        goes unused)."""
+        if block_mask is not None and self._lowered.mask is None:
+            raise ValueError("block_mask= was given, but the spec has no expression mask")
+        if self._lowered.mask is None:
+            return {}
+        if self.plan.is_decode:
+            return dict(zip(("block_count", "block_index", "block_full"), unused_block_mask(q.device)))
+        if block_mask is None:
+            block_mask = self._cached_block_mask(q, k, aux)
+        batch, seqlen_q, heads_q = q.shape[:3]
+        check_block_mask(block_mask, self.plan, batch, heads_q, seqlen_q, k.shape[1], q.device)
+        return {"block_count": block_mask.count, "block_index": block_mask.index, "block_full": block_mask.full}
+
+    def _launch_decode(self, function, q, k, v, out, lse, seqused_k, page_table, extras) -> None:
+        """The decode kernel with its split count (from the sizes and this device's SMs), split
+        partials, counters and cache lengths (fa4gen.kv_cache.decode_arguments)."""
+        o_part, lse_part, seqused_k, counters, splits = decode_arguments(
+            self.plan, q, k, seqused_k, page_table, multiprocessor_count(q.device)
+        )
         function(q, k, v, out, lse, o_part, lse_part, seqused_k, page_table, counters, splits, *extras)
 
     def _document_tables(self, cu_seqlens_q, cu_seqlens_k, total: int):
@@ -653,93 +656,6 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     return _SPLIT_WORKSPACES[key]
 
 
-_SPLIT_COUNTERS: dict = {}  # (device, stream, shape, captured) -> int32 counters
-
-
-def split_counters(shape: tuple, device):
-    """The decode splits' int32 counters (one per batch entry, KV head and query tile), kept as
-    ``split_workspace`` keeps its flags, with the same rules: every launch leaves them at zero
-    (the last split to count in lowers its counter), one set per device, stream and shape, and a
-    CUDA graph capture gets its own, zeroed again by each captured launch."""
-    import torch
-
-    capturing = torch.cuda.is_current_stream_capturing()
-    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
-    if key not in _SPLIT_COUNTERS:
-        _SPLIT_COUNTERS[key] = torch.zeros(shape, dtype=torch.int32, device=device)
-    elif capturing:
-        _SPLIT_COUNTERS[key].zero_()
-    return _SPLIT_COUNTERS[key]
-
-
-_DECODE_CONSTANTS: dict = {}  # (what, device, sizes, capturing) -> a tensor no launch writes
-
-
-def _kept(key: tuple, make):
-    """A tensor made once per key and kept; made apart for launches being captured into a CUDA
-    graph (their memory comes from the graph's pool), as ``split_workspace``."""
-    import torch
-
-    key = (*key, torch.cuda.is_current_stream_capturing())
-    if key not in _DECODE_CONSTANTS:
-        _DECODE_CONSTANTS[key] = make()
-    return _DECODE_CONSTANTS[key]
-
-
-def full_cache_lengths(batch: int, seqlen_k: int, device):
-    """Cache lengths of a launch without ``seqused_k``: every entry's keys end at the cache's Sk."""
-    import torch
-
-    return _kept(
-        ("lengths", device, batch, seqlen_k), lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    )
-
-
-def unused_block_mask(device):
-    """Stand-ins for a block mask's (count, index, full), int32, for kernels that never read it."""
-    import torch
-
-    shapes = ((1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
-    return _kept(
-        ("block mask", device), lambda: tuple(torch.zeros(s, dtype=torch.int32, device=device) for s in shapes)
-    )
-
-
-def decode_partials(splits: int, out_shape: tuple, device):
-    """Split-KV partial outputs (splits, B, Sq, Hq, Dv) and LSE (splits, B, Hq, Sq), fp32, made per
-    launch; with one split the kernel never reads them, so a kept stand-in of one element per mode."""
-    import torch
-
-    batch, seqlen_q, heads, dv = out_shape
-    if splits == 1:
-        return _kept(
-            ("partials", device, dv),
-            lambda: (
-                torch.empty((1, 1, 1, 1, dv), dtype=torch.float32, device=device),
-                torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device),
-            ),
-        )
-    return (
-        torch.empty((splits, batch, seqlen_q, heads, dv), dtype=torch.float32, device=device),
-        torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=device),
-    )
-
-
-def check_cache_lengths(seqused_k: Any, batch: int, device) -> None:
-    """``seqused_k``: int32 (B,) on the inputs' device, contiguous. Its values are not read here
-    (that would wait for the GPU): the kernel clamps each to [0, the cache's Sk]."""
-    import torch
-
-    if not isinstance(seqused_k, torch.Tensor):
-        raise ValueError(f"seqused_k must be a torch.Tensor, got {type(seqused_k).__name__}")
-    if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (batch,):
-        raise ValueError(f"seqused_k must be int32 of shape ({batch},), got {seqused_k.dtype} {tuple(seqused_k.shape)}")
-    if seqused_k.device != device:
-        raise ValueError(f"seqused_k is on {seqused_k.device}, the inputs are on {device}")
-    if batch > 1 and seqused_k.stride(0) != 1:
-        raise ValueError("seqused_k must be contiguous")
-
-
 def _torch_dtype(name: str):
     import torch
 
@@ -818,37 +734,6 @@ def validate_inputs(spec: AttentionSpec, q, k, v, page_table=None) -> tuple[int,
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     return q.shape[0], q.shape[1], q.shape[2]
-
-
-def check_page_table(page_table: Any, q, k, v) -> None:
-    """A paged launch: k and v one pool of (pages, page size, Hkv, D) with a page size that is a
-    multiple of PAGE_BOX, and ``page_table`` int32 (B, max pages) on their device, rows
-    contiguous. Its entries are not read here (that would wait for the GPU): the kernel clamps
-    each into the pool."""
-    import torch
-
-    from fa4gen.kernels.sm90.decode_config import PAGE_BOX
-
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must be one page pool (pages, page size): got k {k.shape[:2]} and v {v.shape[:2]}")
-    if k.shape[0] < 1 or k.shape[1] < PAGE_BOX or k.shape[1] % PAGE_BOX:
-        raise ValueError(
-            f"k and v must be a page pool of at least one page of a multiple of {PAGE_BOX} tokens "
-            f"(pages, page size, heads, head_dim), got shape {tuple(k.shape)}"
-        )
-    if not isinstance(page_table, torch.Tensor):
-        raise ValueError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != q.shape[0]:
-        raise ValueError(
-            f"page_table must be int32 of shape ({q.shape[0]}, max_pages), got {page_table.dtype} "
-            f"{tuple(page_table.shape)}"
-        )
-    if page_table.shape[1] < 1:
-        raise ValueError("page_table has no columns: each batch entry needs at least one page slot")
-    if page_table.device != q.device:
-        raise ValueError(f"page_table is on {page_table.device}, the inputs are on {q.device}")
-    if not page_table.is_contiguous():
-        raise ValueError("page_table must be contiguous (call .contiguous() first)")
 
 
 # ----------------------------------------------------------------------------- variant arguments

@@ -92,6 +92,7 @@ HOST_ONLY_MODULES = frozenset(
         "custom_op.py",
         "handles.py",
         "hf.py",
+        "kv_cache.py",
         "ops.py",
         "runtime.py",
         "testing.py",

@@ -195,7 +195,7 @@ def test_split_counters_come_back_down_across_launches_and_graphs(monkeypatch):
     make a later launch merge too early, or never)."""
     import torch
 
-    import fa4gen.runtime
+    import fa4gen.kv_cache
 
     spec = SPECS["window-sinks"]
     monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: 6)
@@ -215,4 +215,4 @@ def test_split_counters_come_back_down_across_launches_and_graphs(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, first) and torch.equal(captured_lse, first_lse)
-    assert all(not c.any() for c in fa4gen.runtime._SPLIT_COUNTERS.values())
+    assert all(not c.any() for c in fa4gen.kv_cache._SPLIT_COUNTERS.values())

@@ -438,7 +438,7 @@ def _pool(pages: int, page_size: int):
     ],
 )
 def test_bad_page_tables_raise_naming_the_argument(k, v, table, message):
-    from fa4gen.runtime import check_page_table
+    from fa4gen.kv_cache import check_page_table
 
     q = torch.randn(2, 1, 8, 128).bfloat16()
     with pytest.raises(ValueError, match=message):
@@ -457,7 +457,7 @@ def test_bad_page_tables_raise_naming_the_argument(k, v, table, message):
     ],
 )
 def test_bad_cache_lengths_raise_naming_the_argument(lengths, message):
-    from fa4gen.runtime import check_cache_lengths
+    from fa4gen.kv_cache import check_cache_lengths
 
     with pytest.raises(ValueError, match=message):
         check_cache_lengths(lengths, 2, torch.device("cpu"))
