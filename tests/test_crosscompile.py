@@ -117,6 +117,25 @@ def test_only_a_deterministic_backward_takes_turns_at_dq(every_artifact):
             assert turns == 0, f"{name}: a semaphore in a backward that sums dQ in any order"
 
 
+def test_decode_kernels_merge_splits_in_their_last_cta(every_artifact):
+    """A decode kernel is one kernel (no second launch merges the splits): its last split counts
+    in with one atomic add after a GPU-scope fence; a paged one hands each box its page by
+    shuffle. Neither waits on another CTA (no spin loop to deadlock on)."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    decode = {name: result for name, result in every_artifact.items() if result.plan.is_decode}
+    assert any(r.plan.config.paged for r in decode.values()) and any(not r.plan.config.paged for r in decode.values())
+    for name, result in decode.items():
+        sass = subprocess.run(
+            [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+        ).stdout
+        assert sass.count("\t.section\t.text.") == 1, f"{name}: more than one kernel"
+        assert len(re.findall(r"ATOMG\.E\.ADD\S*\.GPU", sass)) == 1 and "MEMBAR.ALL.GPU" in sass, name
+        if result.plan.config.paged:  # a shuffle per box of a key tile at least
+            assert sass.count("SHFL.IDX") >= result.plan.config.tile_n // 16, name
+
+
 def test_length_range_plans_are_built_beside_the_default(warm_cache):
     from fa4gen.planner import seqlen_splits
 
