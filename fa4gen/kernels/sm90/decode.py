@@ -108,19 +108,8 @@ class HopperAttentionDecode:
     ):
         self.dtype = mQ.element_type
         G = self.group
-        # (S, D, H, B) and (Dv, S, H, B); paged: (page size, D, H, pages) and (Dv, page size, H, pages)
-        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
-        k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sV_layout, (None, None, 0))
-        keys = self.tile_n
-        if cutlass.const_expr(self.cfg.paged):  # one box: PAGE_BOX rows of a stage
-            keys = PAGE_BOX
-            k_box = cute.slice_(cute.flat_divide(k_box, (keys, self.dqk)), (None, None, 0, 0))
-            v_box = cute.slice_(cute.flat_divide(v_box, (self.dv, keys)), (None, None, 0, 0))
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, k_box, (keys, self.dqk))
-        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, v_box, (self.dv, keys))
+        (tma_k, tma_k_t), (tma_v, tma_v_t) = self._tma_atoms(mK, mV, sK_layout, sV_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
 
@@ -185,6 +174,24 @@ class HopperAttentionDecode:
             LayoutEnum.COL_MAJOR, (WGMMA_M, self.dv, self.tile_n), self.dtype, self.kv_stages
         )
         return sQ, sK, sV
+
+    def _tma_atoms(self, mK: cute.Tensor, mV: cute.Tensor, sK_layout, sV_layout):
+        """The K and V loads, each (atom, its view of the cache): a stage's tile_n keys per copy
+        over (S, D, H, B) and (Dv, S, H, B); paged, PAGE_BOX rows of a stage per copy over (page
+        size, D, H, pages) and (Dv, page size, H, pages)."""
+        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sV_layout, (None, None, 0))
+        keys = self.tile_n
+        if cutlass.const_expr(self.cfg.paged):
+            keys = PAGE_BOX
+            k_box = cute.slice_(cute.flat_divide(k_box, (keys, self.dqk)), (None, None, 0, 0))
+            v_box = cute.slice_(cute.flat_divide(v_box, (self.dv, keys)), (None, None, 0, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        return (
+            cpasync.make_tiled_tma_atom(g2s, k, k_box, (keys, self.dqk)),
+            cpasync.make_tiled_tma_atom(g2s, vt, v_box, (self.dv, keys)),
+        )
 
     def _mma(self, n: int, b_major, a_source, accumulate: bool) -> cute.TiledMma:
         mma = sm90_utils.make_trivial_tiled_mma(
