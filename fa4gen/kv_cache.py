@@ -14,20 +14,32 @@ from fa4gen.planner import Plan
 _SPLIT_COUNTERS: dict = {}  # (device, stream, shape, captured) -> int32 counters
 
 
-def split_counters(shape: tuple, device):
-    """The decode splits' int32 counters (one per batch entry, KV head and query tile), kept as
-    ``fa4gen.runtime.split_workspace`` keeps its flags, with the same rules: every launch leaves them at zero
-    (the last split to count in lowers its counter), one set per device, stream and shape, and a
-    CUDA graph capture gets its own, zeroed again by each captured launch."""
+def kept_per_stream(table: dict, shape: tuple, device, make, flags):
+    """``table``'s entry for this device, stream and shape (``make()`` on first use), kept: kernels
+    on one stream run one after another, and every launch leaves the entry's ``flags(entry)`` at
+    zero, so no launch pays for a memset. Launches captured into a CUDA graph get an entry of
+    their own, and each captured launch zero-fills its flags within the graph (nothing runs while
+    capturing), so every replay starts from zero flags."""
     import torch
 
     capturing = torch.cuda.is_current_stream_capturing()
     key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
-    if key not in _SPLIT_COUNTERS:
-        _SPLIT_COUNTERS[key] = torch.zeros(shape, dtype=torch.int32, device=device)
+    if key not in table:
+        table[key] = make()
     elif capturing:
-        _SPLIT_COUNTERS[key].zero_()
-    return _SPLIT_COUNTERS[key]
+        flags(table[key]).zero_()
+    return table[key]
+
+
+def split_counters(shape: tuple, device):
+    """The decode splits' int32 counters (one per batch entry, KV head and query tile), which
+    every launch leaves at zero (the last split to count in lowers its counter): kept per device,
+    stream and shape (``kept_per_stream``)."""
+    import torch
+
+    return kept_per_stream(
+        _SPLIT_COUNTERS, shape, device, lambda: torch.zeros(shape, dtype=torch.int32, device=device), lambda c: c
+    )
 
 
 _DECODE_CONSTANTS: dict = {}  # (what, device, sizes, capturing) -> a tensor no launch writes

@@ -22,7 +22,13 @@ import fa4gen.background as background
 from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.handles import register
-from fa4gen.kv_cache import check_cache_lengths, check_page_table, decode_arguments, unused_block_mask
+from fa4gen.kv_cache import (
+    check_cache_lengths,
+    check_page_table,
+    decode_arguments,
+    kept_per_stream,
+    unused_block_mask,
+)
 from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
 from fa4gen.variants import Extra, lower, standard_alibi_slopes
@@ -644,16 +650,14 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     shape = split_workspace_shape(plan, num_ctas)
     if shape is None:
         return None, None
-    capturing = torch.cuda.is_current_stream_capturing()
-    key = (device, torch.cuda.current_stream(device).cuda_stream, shape, capturing)
-    if key not in _SPLIT_WORKSPACES:
-        _SPLIT_WORKSPACES[key] = (
+
+    def make():
+        return (
             torch.empty(shape, dtype=torch.float32, device=device),
             torch.zeros(shape[:2], dtype=torch.int32, device=device),
         )
-    elif capturing:
-        _SPLIT_WORKSPACES[key][1].zero_()
-    return _SPLIT_WORKSPACES[key]
+
+    return kept_per_stream(_SPLIT_WORKSPACES, shape, device, make, lambda kept: kept[1])
 
 
 def _torch_dtype(name: str):
