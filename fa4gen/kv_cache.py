@@ -141,6 +141,11 @@ def check_page_table(page_table: Any, q, k, v) -> None:
         raise ValueError("page_table must be contiguous (call .contiguous() first)")
 
 
+def cache_capacity(k, page_table) -> int:
+    """Keys a batch entry's cache holds: Sk, or over a page pool its table's pages x the page size."""
+    return k.shape[1] * (1 if page_table is None else page_table.shape[1])
+
+
 def decode_arguments(plan: Plan, q, k, seqused_k, page_table, slots: int) -> tuple:
     """What a decode launch passes beside its inputs: (o_part, lse_part, seqused_k, counters,
     splits), the split count from the sizes and ``slots`` (the runtime passes the SM count: one
@@ -150,7 +155,7 @@ def decode_arguments(plan: Plan, q, k, seqused_k, page_table, slots: int) -> tup
 
     c = plan.config
     batch, seqlen_q, heads_q = q.shape[:3]
-    capacity = k.shape[1] * (1 if page_table is None else page_table.shape[1])
+    capacity = cache_capacity(k, page_table)
     if seqused_k is None:
         seqused_k = full_cache_lengths(batch, capacity, q.device)
     splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_n, slots)

@@ -23,6 +23,7 @@ from fa4gen.blockmask import build_block_mask, check_block_mask
 from fa4gen.compiler import ENTRY, LIBRARY_FILE
 from fa4gen.handles import register
 from fa4gen.kv_cache import (
+    cache_capacity,
     check_cache_lengths,
     check_page_table,
     decode_arguments,
@@ -208,28 +209,25 @@ class AttentionKernel:
     def decode_kernel(self) -> AttentionKernel:
         """The kernel of the decode range, which runs every launch over a KV cache with per-entry
         lengths (``seqused_k``) whatever its query length; ValueError where the variant has none."""
-        from fa4gen.planner.sm90_decode import decode_problem
-
-        if self.plan.is_decode:
-            return self
-        found = next((s.kernel for s in self.splits if s.kernel.plan.is_decode), None)
-        if found is None:
-            raise ValueError(
-                f"seqused_k= needs the decode kernel, which this spec has none of: {decode_problem(self.spec)}"
-            )
-        return found
+        return self._cache_kernel(paged=False)
 
     def paged_kernel(self) -> AttentionKernel:
         """The decode kernel over a paged KV cache, which runs every launch with a ``page_table``
         whatever its query length; ValueError where the variant has none."""
+        return self._cache_kernel(paged=True)
+
+    def _cache_kernel(self, paged: bool) -> AttentionKernel:
+        """This kernel or the split's that is the decode kernel of that layout (``paged`` or not)."""
         from fa4gen.planner.sm90_decode import decode_problem
 
-        if self.plan.is_decode and self.plan.config.paged:
-            return self
-        found = next((s.kernel for s in self.splits if s.split.page_table), None)
+        found = next(
+            (k for k in (self, *(s.kernel for s in self.splits)) if k.plan.is_decode and k.plan.config.paged == paged),
+            None,
+        )
         if found is None:
+            argument, kernel = ("page_table", "paged decode kernel") if paged else ("seqused_k", "decode kernel")
             raise ValueError(
-                f"page_table= needs the paged decode kernel, which this spec has none of: {decode_problem(self.spec)}"
+                f"{argument}= needs the {kernel}, which this spec has none of: {decode_problem(self.spec)}"
             )
         return found
 
@@ -314,8 +312,6 @@ class AttentionKernel:
         if varlen and tables_can_build(cu_seqlens_q, cu_seqlens_k):
             given["doc_key_ranges"], given["doc_tiles"] = self._document_tables(cu_seqlens_q, cu_seqlens_k, seqlen_q)
         given.update(self._block_mask_arguments(q, k, block_mask, aux))
-        # a page pool's keys: an entry's capacity, its table's pages x the page size (aux sizes "Sk")
-        seqlen_k = k.shape[1] * (1 if page_table is None else page_table.shape[1])
         extras = variant_arguments(
             self.spec,
             q,
@@ -324,7 +320,7 @@ class AttentionKernel:
             aux,
             max_seqlens=(max_seqlen_q, max_seqlen_k),
             lowered=self._lowered,
-            seqlen_k=seqlen_k,
+            seqlen_k=cache_capacity(k, page_table),  # a page pool's: an entry's, not one page's
         )
         if seqused_k is not None:
             check_cache_lengths(seqused_k, batch, q.device)
