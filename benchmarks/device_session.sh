@@ -9,7 +9,9 @@
 #   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
 #       bash benchmarks/device_session.sh run PARTS [SEQLENS LABELS]
 #
-# PARTS, comma-separated: tests (the GPU tests, gpu.log, ~20 s), grid (the speed grid,
+# PARTS, comma-separated: tests (the GPU tests, gpu.log), decodetests (tests/test_gpu_decode.py only,
+# decode-tests.log), decode (benchmarks/decode.py: DECODE_GRID quick or full, DECODE_MATCH,
+# DECODE_PART i/k; decode.json and decode.txt), grid (the speed grid,
 # grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
 # (variants.json, ~60 s), profile (Nsight Compute counters of cells, fa4gen beside flash-attn-4:
 # PROFILE holds benchmarks/ncu_counters.py's arguments, cells separated by ';', profile.txt), schedule
@@ -18,13 +20,16 @@
 # `schedule_options.py ab SEQLENS A,B` and again with B,A), ab (default against each of LABELS
 # in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match).
 # Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over calls
-# made while the machine is warm (each later call only re-sources the setup).
+# made while the machine is warm (each later call only re-sources the setup). DEVCACHE names the
+# cache folder (default .devcache): a smaller one (.devbench: the decode kernels) fits one call
+# beside .devfull/b and .devrt under the 64 MiB carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CACHE=.devcache/kernels
+DEVCACHE="${DEVCACHE:-.devcache}"
+CACHE="$DEVCACHE/kernels"
 
 warm() {
-    rm -rf .devcache && mkdir -p "$CACHE"
+    rm -rf "$DEVCACHE" && mkdir -p "$CACHE"
     # every warm below writes the same cache: one after the other, never two at once
     python tests/warm_gpu_cache.py "$CACHE"
     if [ "${1:-}" != "tests" ]; then  # `warm tests`: only what the GPU tests need
@@ -39,22 +44,36 @@ warm() {
     fa4gen --cache-dir "$CACHE" cache drop kernel.ptx kernel.cubin
     # the GPU machine has no toolchain metadata: it reads the one that compiled the cache
     python -c "from fa4gen.toolchain import toolchain; t = toolchain(); \
-print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > .devcache/toolchain
-    du -sh --apparent-size .devcache .devrt .devfull/b  # the carry limit is 64 MiB with the tree
+print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > "$DEVCACHE/toolchain"
+    du -sh --apparent-size "$DEVCACHE" .devrt .devfull/b  # the carry limit is 64 MiB with the tree
 }
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,grid,variants,profile,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
-    set +u; source .devfull/b/setup.sh > "$OUT/setup.log" 2>&1; set -u  # not written for nounset
-    chmod -R go-w .devcache  # a cache others can write is refused
-    export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat .devcache/toolchain)" FA4GEN_NO_COMPILE=1
+    local parts=",${1:?PARTS: tests,decodetests,decode,grid,variants,profile,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
+    # the full DSL and the peers where .devfull/b came (in this call or an earlier one), else the runtime
+    local setup=.devrt/setup.sh
+    [ -f .devfull/b/setup.sh ] && setup=.devfull/b/setup.sh
+    set +u; source "$setup" > "$OUT/setup.log" 2>&1; set -u  # not written for nounset
+    chmod -R go-w "$DEVCACHE"  # a cache others can write is refused
+    export FA4GEN_CACHE_DIR="$PWD/$CACHE" FA4GEN_TOOLCHAIN="$(cat "$DEVCACHE/toolchain")" FA4GEN_NO_COMPILE=1
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/env.txt"
     if [[ $parts == *,tests,* ]]; then
         # every GPU test module (transformers' when .devhf installed it: `bash .devhf/setup.sh`)
-        python3 -m pytest tests/test_gpu*.py tests/test_integration_*.py -m gpu -q -p no:cacheprovider \
+        # shellcheck disable=SC2086  # GPU_TESTS: test files (a cache split in two runs half of them each)
+        python3 -m pytest ${GPU_TESTS:-tests/test_gpu*.py tests/test_integration_*.py} -m gpu -q -p no:cacheprovider \
             --continue-on-collection-errors > "$OUT/gpu.log" 2>&1 || true
         tail -n 1 "$OUT/gpu.log"
+    fi
+    if [[ $parts == *,decodetests,* ]]; then
+        python3 -m pytest tests/test_gpu_decode.py -m gpu -q -p no:cacheprovider > "$OUT/decode-tests.log" 2>&1 || true
+        tail -n 1 "$OUT/decode-tests.log"
+    fi
+    if [[ $parts == *,decode,* ]]; then
+        python3 benchmarks/decode.py run --grid "${DECODE_GRID:-quick}" --match "${DECODE_MATCH:-}" \
+            --part "${DECODE_PART:-1/1}" --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 || true
+        python3 benchmarks/decode.py report "$OUT/decode.json" | tail -n 8
     fi
     if [[ $parts == *,schedule,* ]]; then
         python3 benchmarks/schedule_options.py run "${seqlens:?SEQLENS}" "${labels:?LABELS}" > "$OUT/schedule.txt" 2>&1
