@@ -151,15 +151,15 @@ def decode_arguments(plan: Plan, q, k, seqused_k, page_table, slots: int) -> tup
     splits), the split count from the sizes and ``slots`` (the runtime passes the SM count: one
     CTA per SM measured faster than one per CTA slot, decision decode-kernel), the cache lengths
     every entry's capacity where none are given (Sk, or a paged entry's pages x page size)."""
-    from fa4gen.kernels.sm90.decode_config import decode_splits
+    from fa4gen.kernels.sm90.decode_config import counter_tiles, decode_splits
 
     c = plan.config
     batch, seqlen_q, heads_q = q.shape[:3]
     capacity = cache_capacity(k, page_table)
     if seqused_k is None:
         seqused_k = full_cache_lengths(batch, capacity, q.device)
-    splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_n, slots)
+    splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_m, c.tile_n, slots)
     o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, c.head_dim_v), q.device)
-    tiles = -(-seqlen_q * c.qhead_per_kvhead // c.tile_m)
+    tiles = counter_tiles(seqlen_q, c.qhead_per_kvhead)
     counters = split_counters((batch, k.shape[2], tiles) if splits > 1 else (1, 1, 1), q.device)
     return o_part, lse_part, seqused_k, counters, splits

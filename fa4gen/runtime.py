@@ -199,37 +199,39 @@ class AttentionKernel:
 
             return call(self.handle, self.spec, q, k, v, out=out, lse=lse, **variant)
         if variant.get("page_table") is not None:
-            kernel = self.paged_kernel()
+            kernel = self.paged_kernel(q.shape[1])
         elif variant.get("seqused_k") is not None:
-            kernel = self.decode_kernel()
+            kernel = self.decode_kernel(q.shape[1])
         else:
             kernel = self.kernel_for(_longest_query(self.spec, q, variant.get("max_seqlen_q")))
         return kernel._launch(q, k, v, out=out, lse=lse, **variant)
 
-    def decode_kernel(self) -> AttentionKernel:
-        """The kernel of the decode range, which runs every launch over a KV cache with per-entry
-        lengths (``seqused_k``) whatever its query length; ValueError where the variant has none."""
-        return self._cache_kernel(paged=False)
+    def decode_kernel(self, seqlen_q: int = 1) -> AttentionKernel:
+        """The decode kernel that runs a launch of ``seqlen_q`` query rows over a KV cache with
+        per-entry lengths (``seqused_k``), whatever its query length; ValueError where the variant
+        has none."""
+        return self._cache_kernel(False, seqlen_q)
 
-    def paged_kernel(self) -> AttentionKernel:
-        """The decode kernel over a paged KV cache, which runs every launch with a ``page_table``
-        whatever its query length; ValueError where the variant has none."""
-        return self._cache_kernel(paged=True)
+    def paged_kernel(self, seqlen_q: int = 1) -> AttentionKernel:
+        """The decode kernel that runs a launch of ``seqlen_q`` query rows with a ``page_table``
+        (over a paged KV cache), whatever its query length; ValueError where the variant has none."""
+        return self._cache_kernel(True, seqlen_q)
 
-    def _cache_kernel(self, paged: bool) -> AttentionKernel:
-        """This kernel or the split's that is the decode kernel of that layout (``paged`` or not)."""
+    def _cache_kernel(self, paged: bool, seqlen_q: int) -> AttentionKernel:
+        """Of this kernel and the splits' the decode kernels of that layout (``paged`` or not), the
+        one with the fewest rows per tile that holds the launch's packed rows (query rows x query
+        heads per KV head), else the one with the most."""
         from fa4gen.planner.sm90_decode import decode_problem
 
-        found = next(
-            (k for k in (self, *(s.kernel for s in self.splits)) if k.plan.is_decode and k.plan.config.paged == paged),
-            None,
-        )
-        if found is None:
+        kernels = (k for k in (self, *(s.kernel for s in self.splits)) if k.plan.is_decode)
+        found = sorted((k for k in kernels if k.plan.config.paged == paged), key=lambda k: k.plan.config.tile_m)
+        if not found:
             argument, kernel = ("page_table", "paged decode kernel") if paged else ("seqused_k", "decode kernel")
             raise ValueError(
                 f"{argument}= needs the {kernel}, which this spec has none of: {decode_problem(self.spec)}"
             )
-        return found
+        rows = max(seqlen_q, 1) * self.spec.qhead_per_kvhead
+        return next((k for k in found if rows <= k.plan.config.tile_m), found[-1])
 
     def _with_grad(self, q, k, v, out, lse, variant):
         """The call under autograd: the custom op on the forward with its LSE, whose autograd

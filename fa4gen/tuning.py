@@ -65,7 +65,7 @@ def gpu_measure(spec: AttentionSpec, plan: Plan, seqlens: tuple[int, ...], cache
 def default_seqlens(splits: tuple[SeqlenSplit, ...]) -> tuple[int, ...]:
     """The lengths of ``DEFAULT_SEQLENS`` that no length range covers (a tuned plan replaces only
     the main plan), else the longest below every range, else ``DEFAULT_SEQLENS``."""
-    ranges = [split for split in splits if not split.page_table]
+    ranges = [split for split in splits if split.plain]
     free = tuple(s for s in DEFAULT_SEQLENS if not any(split.covers(s) for split in ranges))
     below = min(split.min_seqlen_q for split in ranges) - 1 if ranges else 0
     return free or ((below,) if below >= 1 else DEFAULT_SEQLENS)

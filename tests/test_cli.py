@@ -122,10 +122,11 @@ def test_plan_prints_schedule_with_reasons(tmp_path: Path) -> None:
     expected = fa4gen.plan(spec, "sm_90a")
     assert result.exit_code == 0, result.output
     # the plan, then decode's, the short range's (4 consumer warpgroups), the long range's (the
-    # split tail) and the paged kernel's
-    decode, short, long, paged = seqlen_splits(spec, "sm_90a")
-    assert (decode.label, short.label, long.label, paged.label) == ("decode", "short", "long", "paged")
-    ranges = "\n\n".join(split.describe() for split in (decode, short, long, paged))
+    # split tail) and the KV-cache kernels'
+    splits = seqlen_splits(spec, "sm_90a")
+    labels = ("decode", "short", "long", "decode-wide", "paged", "paged-wide")
+    assert tuple(split.label for split in splits) == labels
+    ranges = "\n\n".join(split.describe() for split in splits)
     assert result.stdout.strip() == f"{expected.describe()}\n\n{ranges}"
     assert "plan for sm_90a" in result.stdout
     assert expected.reasons["tile_n"] in result.stdout
@@ -179,12 +180,13 @@ def test_plan_and_emit_show_the_plans_of_length_ranges(tmp_path: Path) -> None:
     from fa4gen.planner import seqlen_splits
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    decode, short, long, paged = seqlen_splits(spec, "sm_90a")
+    splits = seqlen_splits(spec, "sm_90a")
+    decode, short, long = splits[:3]  # (then the KV-cache kernels)
     main = fa4gen.plan(spec, "sm_90a")
     spec_file = write_spec(tmp_path, "head_dim: 96\ncausal: true\n")
     result = run("plan", spec_file)
     assert result.exit_code == 0, result.output
-    ranges = "\n\n".join(split.describe() for split in (decode, short, long, paged))
+    ranges = "\n\n".join(split.describe() for split in splits)
     assert result.stdout.strip() == f"{main.describe()}\n\n{ranges}"
     for seqlen, expected in (
         (1, decode.plan),

@@ -29,16 +29,16 @@ GROUP_CASES = {
 SIZES = [(1, 1), (1, 1000), (4, 4097), (16, 700), (3, 2), (5, 0), (100, 3000)]
 
 
-def _kernel(spec: fa4gen.AttentionSpec, paged: bool = False):
+def _kernel(spec: fa4gen.AttentionSpec, paged: bool = False, wide: bool = False):
     namespace: dict = {}
-    plan = plan_decode_sm90(spec, paged=paged)
+    plan = plan_decode_sm90(spec, paged=paged, wide=wide)
     exec(compile(fa4gen.emit(spec, plan).source, "<emitted>", "exec"), namespace)  # noqa: S102 - our own output
     return namespace["make_kernel"]()
 
 
 def _runs(kernel, seqlen_q: int, length: int, splits: int) -> torch.Tensor:
     """key_run of every (packed query tile, split): (lo, count, split_lo, split_hi)."""
-    tiles = -(-seqlen_q * kernel.group // 64)
+    tiles = -(-seqlen_q * kernel.group // kernel.tile_m)
     out = torch.full((tiles, splits, 4), -1, dtype=torch.int32)
 
     @cute.jit
@@ -53,26 +53,28 @@ def _runs(kernel, seqlen_q: int, length: int, splits: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["64rows", "128rows"])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "sq{}-len{}".format(*s))
 @pytest.mark.parametrize("name", sorted(GROUP_CASES))
-def test_splits_cover_each_visible_key_tile_once(name, sizes, splits):
+def test_splits_cover_each_visible_key_tile_once(name, sizes, splits, wide):
     """Every key tile holding a key some packed row of the tile sees is run by exactly one split,
     no split runs a tile past the cache length, and a tile that is not fully visible to every
-    row of the tile runs the mask (at or past split_hi, or below split_lo)."""
+    row of the tile runs the mask (at or past split_hi, or below split_lo); tiles of 64 packed
+    rows, and of 128 (two consumer warpgroups)."""
     from fa4gen.testing import visible_keys
 
     spec = fa4gen.AttentionSpec(**GROUP_CASES[name])
-    kernel = _kernel(spec)
+    kernel = _kernel(spec, wide=wide)
     seqlen_q, length = sizes
-    tile_n, group = kernel.tile_n, kernel.group
+    tile_n, group, tile_m = kernel.tile_n, kernel.group, kernel.tile_m
     runs = _runs(kernel, seqlen_q, length, splits)
     width = max(-(-length // tile_n), 1) * tile_n
     visible = torch.zeros(seqlen_q, width, dtype=torch.bool)
     visible[:, :length] = visible_keys(spec, seqlen_q, length)[0, 0] if length else False
     rows = visible.repeat_interleave(group, dim=0)  # packed row g + G * s is query s
     for m in range(runs.shape[0]):
-        mine = rows[m * 64 : (m + 1) * 64]
+        mine = rows[m * tile_m : (m + 1) * tile_m]
         seen = []
         for s in range(splits):
             lo, count, split_lo, split_hi = runs[m, s].tolist()
@@ -105,14 +107,16 @@ def _walk(kernel, table: torch.Tensor, tiles: int, page_size: int, num_pages: in
 
 
 @pytest.mark.parametrize("page_size", [16, 48, 128, 256])
-@pytest.mark.parametrize("name", ["causal-gqa4", "two-sided-mha"])  # 64- and 128-key tiles
-def test_page_walk_reads_each_key_from_its_page(name, page_size):
+@pytest.mark.parametrize(
+    "name, wide", [("causal-gqa4", False), ("two-sided-mha", False), ("d256-gqa8", True)]
+)  # 64-, 128- and 32-key tiles
+def test_page_walk_reads_each_key_from_its_page(name, wide, page_size):
     """Each box of a key tile reads the pool rows that hold its keys (the reference's gather
     through the same table, clamped alike), entries out of range included; tiles past an
     entry's pages read inside the pool."""
     from fa4gen.testing import gather_pages
 
-    kernel = _kernel(fa4gen.AttentionSpec(**GROUP_CASES[name]), paged=True)
+    kernel = _kernel(fa4gen.AttentionSpec(**GROUP_CASES[name]), paged=True, wide=wide)
     num_pages, max_pages = 9, 5
     table = torch.tensor([7, -1, 3, 10**6, 0], dtype=torch.int32)
     # pool[p, r] = the pool row p * page_size + r, as one head of width 1
@@ -133,12 +137,14 @@ def test_page_walk_reads_each_key_from_its_page(name, page_size):
 @pytest.mark.parametrize(
     "sizes, expected",
     [
-        ((1, 8, 1, 32768, 4, 64, 132), 16),  # Llama-3-8B decode at batch 1: one CTA per SM
-        ((8, 8, 1, 32768, 4, 64, 132), 2),
-        ((64, 8, 1, 4096, 4, 64, 132), 1),  # the launch fills the SMs already
-        ((1, 8, 1, 1024, 4, 64, 132), 4),  # short caches: at least 4 key tiles per split
-        ((1, 1, 1, 10**7, 1, 64, 132), MAX_SPLITS),
-        ((1, 8, 16, 32768, 8, 64, 132), 8),  # 128 packed rows: two query tiles per KV head
+        ((1, 8, 1, 32768, 4, 64, 64, 132), 16),  # Llama-3-8B decode at batch 1: one CTA per SM
+        ((8, 8, 1, 32768, 4, 64, 64, 132), 2),
+        ((64, 8, 1, 4096, 4, 64, 64, 132), 1),  # the launch fills the SMs already
+        ((1, 8, 1, 1024, 4, 64, 64, 132), 4),  # short caches: at least 4 key tiles per split
+        ((1, 1, 1, 10**7, 1, 64, 64, 132), MAX_SPLITS),
+        ((1, 8, 16, 32768, 8, 64, 64, 132), 8),  # 128 packed rows: two 64-row query tiles per KV head
+        ((1, 8, 16, 32768, 8, 128, 64, 132), 16),  # ... or one 128-row tile
+        ((2, 8, 40, 4096, 4, 128, 64, 132), 4),  # 160 rows: two 128-row tiles, 32 CTAs
     ],
 )
 def test_split_counts(sizes, expected):

@@ -135,7 +135,7 @@ def test_each_length_range_runs_its_plan(name, tiles):
         "main": (attn.plan.config.tile_m, attn.plan.config.tile_n),
         **{s.label: (s.plan.config.tile_m, s.plan.config.tile_n) for s in splits},
     } == tiles
-    for split in (s for s in splits if not s.page_table):  # (paged launches: test_gpu_decode.py)
+    for split in (s for s in splits if s.plain):  # (KV-cache launches: test_gpu_decode.py)
         edge = split.max_seqlen_q if split.max_seqlen_q is not None else split.min_seqlen_q - 1
         for seqlen_q in (edge, edge + 1):
             assert attn.kernel_for(seqlen_q).plan == plan_for_seqlen(spec, "sm_90a", seqlen_q)

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.gpu
 
 SPECS = decode_specs()
 KV_HEADS = 2
-# (batch, Sq, cache capacity Sk): one key; ragged tiles; Sq past one packed tile with seqused_k
-SHAPES = [(1, 1, 1), (3, 1, 1000), (2, 4, 4097), (4, 2, 333), (1, 16, 2000)]
+# (batch, Sq, cache capacity Sk): one key; ragged tiles; Sq 16 (64-128 packed rows: at G >= 6 the
+# 128-row kernel); Sq 40 (40-320 rows: 128-row tiles whose last may fill one warpgroup or part of it)
+SHAPES = [(1, 1, 1), (3, 1, 1000), (2, 4, 4097), (4, 2, 333), (1, 16, 2000), (2, 40, 900)]
 
 
 def _lengths(batch: int, capacity: int, seed: int):
@@ -112,7 +113,7 @@ def test_decode_with_cache_lengths(name, shape, splits, monkeypatch):
     assert_close_to_reference(spec, q, k, v, out, lse, args=args)
 
 
-PAGED_SHAPES = [(1, 1, 1), (3, 1, 1000), (2, 4, 4097), (1, 16, 2000)]
+PAGED_SHAPES = [(1, 1, 1), (3, 1, 1000), (2, 4, 4097), (1, 16, 2000), (2, 40, 900)]
 
 
 @pytest.mark.parametrize("splits", [1, None], ids=["1split", "auto"])
@@ -189,10 +190,12 @@ def test_cache_lengths_past_the_capacity_are_clamped():
     assert_close_to_reference(spec, q, k, v, out, lse, args={"seqused_k": lengths})
 
 
-def test_split_counters_come_back_down_across_launches_and_graphs(monkeypatch):
+@pytest.mark.parametrize("seqlen_q", [2, 12], ids=["64rows", "128rows"])
+def test_split_counters_come_back_down_across_launches_and_graphs(seqlen_q, monkeypatch):
     """The last split of each query tile merges the partials and lowers its counter: repeated
     launches, eager and replayed from a CUDA graph, give the same bits (a counter left up would
-    make a later launch merge too early, or never)."""
+    make a later launch merge too early, or never); 12 query rows x 8 heads run the 128-row
+    kernel, whose two warpgroups count in on their own counters."""
     import torch
 
     import fa4gen.kv_cache
@@ -200,7 +203,8 @@ def test_split_counters_come_back_down_across_launches_and_graphs(monkeypatch):
     spec = SPECS["window-sinks"]
     monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: 6)
     attn = fa4gen.compile(spec)
-    q, k, v, args = variant_inputs(spec, 3, 2, 3000, seed=5, kv_heads=KV_HEADS)
+    assert attn.decode_kernel(seqlen_q).plan.config.tile_m == (128 if seqlen_q == 12 else 64)
+    q, k, v, args = variant_inputs(spec, 3, seqlen_q, 3000, seed=5, kv_heads=KV_HEADS)
     args["seqused_k"] = _lengths(3, 3000, 5)
     first, first_lse = _run(spec, attn, q, k, v, args)
     assert_close_to_reference(spec, q, k, v, first, first_lse, args=args)

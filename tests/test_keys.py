@@ -57,8 +57,8 @@ def test_two_fa4gen_versions_never_load_each_others_artifacts(tmp_path, monkeypa
     monkeypatch.setattr(fa4gen, "__version__", "0.0.0-other")
     second = fa4gen.build(SPEC, "sm_90a", cache_dir=tmp_path)
     assert first.key != second.key and first.built_now and second.built_now
-    per_build = 1 + len(seqlen_splits(SPEC, "sm_90a"))  # d64 causal: its decode, short-sequence and paged plans too
-    assert per_build == 4 and len(built) == 2 * per_build
+    per_build = 1 + len(seqlen_splits(SPEC, "sm_90a"))  # d64 causal: its short-sequence and 4 decode plans too
+    assert per_build == 6 and len(built) == 2 * per_build
     monkeypatch.setattr(api, "__version__", first.entry.meta["fa4gen_version"])
     again = fa4gen.build(SPEC, "sm_90a", cache_dir=tmp_path)
     assert again.key == first.key and not again.built_now

@@ -240,13 +240,13 @@ def test_compile_builds_only_what_a_call_runs(monkeypatch, tmp_path):
     spec = fa4gen.AttentionSpec(head_dim=64)  # the planner has short and long ranges for it
     kernel = fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path / "cache")
     labels = [split.split.label for split in kernel.splits]
-    assert labels == ["decode", "short", "long", "paged"] and built == []
+    assert labels == ["decode", "short", "long", "decode-wide", "paged", "paged-wide"] and built == []
     assert not kernel.built and not any(split.kernel.built for split in kernel.splits)
 
     short = kernel.kernel_for(512)
     assert short._loaded_function() == "function of k1" and built == [short.plan]
     assert short.built and not kernel.built
-    assert kernel.prepare() is kernel and len(built) == 5 and kernel.built
+    assert kernel.prepare() is kernel and len(built) == 7 and kernel.built
     assert fa4gen.compile(spec, arch="sm_90a", cache_dir=tmp_path / "cache") is kernel  # memoised, built
     with pytest.raises(fa4gen.CacheMiss, match="no cached kernel"):
         fa4gen.compile(spec.model_copy(update={"causal": True}), arch="sm_90a", cache_dir=tmp_path, no_compile=True)

@@ -128,16 +128,28 @@ def test_decode_plans_hold_their_invariants(ratio):
         assert decode_smem_bytes(c) == decode[0].plan.smem_bytes <= SMEM_LIMIT
         assert not decode_config_problem(c) and not plan_problem(decode[0].plan)
         assert first_call_plan(decode[0].plan) is None  # (a cache miss builds decode's own kernel)
-        paged = splits[-1]  # the paged kernel: decode's schedule over a page pool, for page-table launches only
-        assert paged.label == "paged" and paged.page_table and not paged.covers(1) and paged.plan.config.paged
-        assert paged.plan.config.model_copy(update={"paged": False, "producer_regs": c.producer_regs}) == c.model_copy(
-            update={"consumer_regs": paged.plan.config.consumer_regs}
-        )
-        assert c.tile_n % PAGE_BOX == 0 and not plan_problem(paged.plan) and first_call_plan(paged.plan) is None
+        # the cache-only kernels last: 128 packed rows over a contiguous cache, and over a page pool
+        # decode's schedule and the wide one, for page-table launches only
+        wide, paged, paged_wide = splits[-3:]
+        assert [s.label for s in splits[-3:]] == ["decode-wide", "paged", "paged-wide"]
+        assert wide.cache_only and not wide.page_table and paged.page_table and paged_wide.page_table
+        assert not any(s.covers(q) or s.plain for s in splits[-3:] for q in (1, 64, 4096))
+        w = wide.plan.config
+        assert (c.consumer_warpgroups, c.tile_m, w.consumer_warpgroups, w.tile_m) == (1, 64, 2, 128)
+        assert w.ctas_per_sm == 1 and not w.paged and decode_smem_bytes(w) <= SMEM_LIMIT
+        for narrow, over_pages in ((c, paged.plan.config), (w, paged_wide.plan.config)):
+            assert over_pages.paged and over_pages.tile_n % PAGE_BOX == 0 and over_pages.tile_n // PAGE_BOX <= 32
+            assert over_pages.model_copy(update={"paged": False, "producer_regs": narrow.producer_regs}) == (
+                narrow.model_copy(update={"consumer_regs": over_pages.consumer_regs})
+            )
+        for split in splits[-3:]:
+            assert split.plan.is_decode and not plan_problem(split.plan) and first_call_plan(split.plan) is None
+        assert "up to 64 packed rows" in paged.rows() and "more than 64 packed rows" in paged_wide.rows()
+        assert "seqused_k of more than 64" in wide.rows()
 
 
 def _forward_splits(spec: AttentionSpec) -> list:
-    """The length ranges that run the forward kernel (all but decode's and the paged kernel)."""
+    """The length ranges that run the forward kernel (all but the decode kernels)."""
     return [s for s in seqlen_splits(spec, "sm_90a") if not s.plan.is_decode]
 
 
@@ -746,8 +758,12 @@ def test_length_ranges_that_run_another_plan(fields, labels):
     spec = AttentionSpec(**fields)
     every = seqlen_splits(spec, "sm_90a")
     assert every[0].label == "decode" and every[0].plan.is_decode  # (test_decode_plans_hold_their_invariants)
-    assert every[-1].label == "paged" and every[-1].page_table and every[-1].plan.config.paged
-    splits = {s.label: s for s in every[1:-1]}
+    assert (
+        [s.label for s in every if not s.plain]
+        == ["decode-wide", "paged", "paged-wide"]
+        == [s.label for s in every[-3:]]
+    )
+    splits = {s.label: s for s in every[1:-3]}
     assert list(splits) == labels
     main = _config(spec)
     if "short" in splits:

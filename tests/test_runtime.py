@@ -242,8 +242,8 @@ def test_each_length_range_runs_its_kernel():
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=96, causal=True)
-    # (decode's range and the paged kernel: test_decode_launch_goes_to_its_kernel)
-    _, split, long_split, _ = seqlen_splits(spec, "sm_90a")
+    # (the decode kernels: test_decode_launch_goes_to_its_kernel)
+    _, split, long_split, *_ = seqlen_splits(spec, "sm_90a")
     assert (split.label, long_split.label, long_split.min_seqlen_q) == ("short", "long", 4096)
     short = AttentionKernel(spec, split.plan, Recorder(), key="short")
     long = AttentionKernel(spec, long_split.plan, Recorder(), key="long")
@@ -359,31 +359,51 @@ def test_eager_training_runs_the_kernels_without_the_op_and_routes_every_gradien
         torch.testing.assert_close(leaf.grad.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _recording(spec, split, launched: list) -> AttentionKernel:
+    """A kernel of ``split`` whose launches append (label, query rows, keywords) to ``launched``."""
+    kernel = AttentionKernel(spec, split.plan, Recorder(), key=split.label)
+    kernel._launch = lambda q, k, v, **kwargs: launched.append((split.label, q.shape[1], sorted(kwargs)))
+    return kernel
+
+
 def test_decode_launch_goes_to_its_kernel():
-    """A launch with per-entry cache lengths runs the decode range's kernel whatever its query
-    length; a plain short launch too (its length range); a spec without a decode kernel says why,
+    """A launch with per-entry cache lengths runs a decode kernel whatever its query length: the
+    64-row one up to 64 packed rows (query rows x group), the 128-row one past them; a plain short
+    launch runs the 64-row one too (its length range); a spec without a decode kernel says why,
     naming seqused_k."""
     from fa4gen.planner import seqlen_splits
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)
-    decode_split = seqlen_splits(spec, "sm_90a")[0]
-    assert decode_split.label == "decode" and decode_split.max_seqlen_q == 16
-    decode = AttentionKernel(spec, decode_split.plan, Recorder(), key="decode")
+    splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
+    assert splits["decode"].max_seqlen_q == 16 and splits["decode-wide"].cache_only
     launched = []
-    decode._launch = lambda q, k, v, **kwargs: launched.append((q.shape[1], sorted(kwargs))) or "decode result"
+    decode, wide = (_recording(spec, splits[label], launched) for label in ("decode", "decode-wide"))
     kernel = AttentionKernel(
-        spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main", splits=(SplitKernel(decode_split, decode),)
+        spec,
+        fa4gen.plan(spec, "sm_90a"),
+        Recorder(),
+        key="main",
+        splits=(SplitKernel(splits["decode"], decode), SplitKernel(splits["decode-wide"], wide)),
     )
+    assert kernel.decode_kernel() is decode and kernel.decode_kernel(16) is decode and kernel.decode_kernel(17) is wide
     q, k, v = (
         torch.randn(1, 300, 8, 128).bfloat16(),
         torch.randn(1, 9, 2, 128).bfloat16(),
         torch.randn(1, 9, 2, 128).bfloat16(),
     )
     lengths = torch.tensor([5], dtype=torch.int32)
-    assert kernel(q, k, v, seqused_k=lengths) == "decode result"
-    assert kernel(q[:, :16], k, v) == "decode result"
-    assert launched == [(300, ["lse", "out", "seqused_k"]), (16, ["lse", "out"])]
+    for rows in (300, 17, 16, 1):
+        kernel(q[:, :rows], k, v, seqused_k=lengths)
+    kernel(q[:, :16], k, v)
+    cache = ["lse", "out", "seqused_k"]
+    assert launched == [
+        ("decode-wide", 300, cache),
+        ("decode-wide", 17, cache),
+        ("decode", 16, cache),
+        ("decode", 1, cache),
+        ("decode", 16, ["lse", "out"]),
+    ]
     with pytest.raises(ValueError, match="q is on cpu"):  # longer plain launches: the forward kernel
         kernel(q[:, :17], k, v)
     documents = fa4gen.AttentionSpec(head_dim=128, causal=True, mask="document")
@@ -397,26 +417,34 @@ def test_decode_launch_goes_to_its_kernel():
 
 
 def test_paged_launch_goes_to_the_paged_kernel():
-    """A launch with a page table runs the paged split's kernel whatever its query length, with
-    or without cache lengths."""
+    """A launch with a page table runs a paged kernel whatever its query length, with or without
+    cache lengths: the 64-row one up to 64 packed rows, the 128-row one past them."""
     from fa4gen.planner import seqlen_splits
     from fa4gen.runtime import SplitKernel
 
     spec = fa4gen.AttentionSpec(head_dim=128, qhead_per_kvhead=4, causal=True)
-    paged_split = seqlen_splits(spec, "sm_90a")[-1]
-    assert paged_split.page_table and not paged_split.covers(1) and not paged_split.covers(10**6)
-    paged = AttentionKernel(spec, paged_split.plan, Recorder(), key="paged")
+    splits = {s.label: s for s in seqlen_splits(spec, "sm_90a")}
+    assert all(splits[label].page_table for label in ("paged", "paged-wide"))
     launched = []
-    paged._launch = lambda q, k, v, **kwargs: launched.append((q.shape[1], sorted(kwargs))) or "paged result"
+    paged, wide = (_recording(spec, splits[label], launched) for label in ("paged", "paged-wide"))
     kernel = AttentionKernel(
-        spec, fa4gen.plan(spec, "sm_90a"), Recorder(), key="main", splits=(SplitKernel(paged_split, paged),)
+        spec,
+        fa4gen.plan(spec, "sm_90a"),
+        Recorder(),
+        key="main",
+        splits=(SplitKernel(splits["paged"], paged), SplitKernel(splits["paged-wide"], wide)),
     )
-    assert kernel.paged_kernel() is paged and kernel.kernel_for(1) is kernel
+    assert kernel.paged_kernel() is paged and kernel.paged_kernel(17) is wide and kernel.kernel_for(1) is kernel
     q, pool = torch.randn(2, 300, 8, 128).bfloat16(), torch.randn(5, 16, 2, 128).bfloat16()
     table, lengths = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([5, 40], dtype=torch.int32)
-    assert kernel(q, pool, pool, page_table=table) == "paged result"
-    assert kernel(q[:, :1], pool, pool, page_table=table, seqused_k=lengths) == "paged result"
-    assert launched == [(300, ["lse", "out", "page_table"]), (1, ["lse", "out", "page_table", "seqused_k"])]
+    kernel(q, pool, pool, page_table=table)
+    kernel(q[:, :16], pool, pool, page_table=table)
+    kernel(q[:, :1], pool, pool, page_table=table, seqused_k=lengths)
+    assert launched == [
+        ("paged-wide", 300, ["lse", "out", "page_table"]),
+        ("paged", 16, ["lse", "out", "page_table"]),
+        ("paged", 1, ["lse", "out", "page_table", "seqused_k"]),
+    ]
 
 
 def _pool(pages: int, page_size: int):

@@ -128,9 +128,9 @@ def test_first_run_compiles_valid_specs_and_reports_failures(warmed: Warmed) -> 
         assert reserved["reason"].startswith("UnsupportedArchError:") and "sm_100a" in reserved["reason"]
     assert "2 compiled, 0 cached, 4 failed" in result.stdout
     # one entry per plan: plain d64 and its decode, short- and long-sequence plans (4 consumer
-    # warpgroups; the split tail) and paged kernel, causal d64 and its decode, short-sequence
-    # and paged plans
-    assert len(warmed.entries_after_first) == 9
+    # warpgroups; the split tail) and three KV-cache kernels (128 rows; paged, 64 and 128 rows),
+    # causal d64 and its decode, short-sequence and KV-cache plans
+    assert len(warmed.entries_after_first) == 13
 
 
 @pytest.mark.slow

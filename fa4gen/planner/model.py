@@ -11,7 +11,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict
 
-from fa4gen.arch import WARPGROUP_THREADS
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.sm90.bwd_config import Sm90BwdConfig, bwd_config_problem, bwd_smem_bytes
 from fa4gen.kernels.sm90.config import Sm90FwdConfig, config_problem, config_smem_bytes, split_partial_words
 from fa4gen.kernels.sm90.decode_config import Sm90DecodeConfig, decode_config_problem, decode_smem_bytes
@@ -69,7 +69,9 @@ class Plan(BaseModel):
 class SeqlenSplit(BaseModel):
     """Another plan for launches whose longest query sequence has between ``min_seqlen_q`` and
     ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call. With
-    ``page_table`` the plan runs the launches over a paged KV cache instead, whatever their length."""
+    ``page_table`` the plan runs launches over a paged KV cache instead, with ``cache_only`` launches
+    over a contiguous one (``seqused_k``); the runtime picks among those by their tiles' packed rows
+    (fa4gen.runtime.AttentionKernel.cache_kernel)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -77,18 +79,26 @@ class SeqlenSplit(BaseModel):
     min_seqlen_q: int = 1
     max_seqlen_q: int | None = None
     page_table: bool = False
+    cache_only: bool = False
     plan: Plan
     reason: str
 
+    @property
+    def plain(self) -> bool:
+        """Whether launches without a KV cache may run this plan (by their query length)."""
+        return not (self.page_table or self.cache_only)
+
     def covers(self, seqlen_q: int) -> bool:
-        """Whether a launch without a page table of this longest query length runs this plan."""
-        if self.page_table:
+        """Whether a launch without a KV cache of this longest query length runs this plan."""
+        if not self.plain:
             return False
         return self.min_seqlen_q <= seqlen_q and (self.max_seqlen_q is None or seqlen_q <= self.max_seqlen_q)
 
     def rows(self) -> str:
-        if self.page_table:
-            return "launches with a page_table, any query length"
+        if not self.plain:
+            cache = "a page_table" if self.page_table else "seqused_k"
+            rows = f"more than {WGMMA_M}" if self.plan.config.tile_m > WGMMA_M else f"up to {WGMMA_M}"
+            return f"launches with {cache} of {rows} packed rows (query rows x query heads per KV head)"
         if self.max_seqlen_q is None:
             return f"at least {self.min_seqlen_q} query rows"
         if self.min_seqlen_q <= 1:

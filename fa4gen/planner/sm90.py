@@ -17,7 +17,7 @@ from fa4gen.kernels.sm90.config import (
 )
 from fa4gen.planner.fields import variant_fields
 from fa4gen.planner.model import Plan, SeqlenSplit
-from fa4gen.planner.sm90_decode import decode_split, paged_split
+from fa4gen.planner.sm90_decode import cache_splits, decode_split
 from fa4gen.planner.sm90_tables import (
     FIRST_CALL_TILE_N,
     INTERIOR_FIRST_TILE_MAX_D,
@@ -328,5 +328,5 @@ def splits_sm90(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
     decode = decode_split(spec)
     if decode is not None:  # the first range that covers a length is the one that runs it
         splits.insert(0, decode)
-        splits.append(paged_split(spec))
+        splits.extend(cache_splits(spec))
     return tuple(splits)

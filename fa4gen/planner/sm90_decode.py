@@ -18,7 +18,10 @@ from fa4gen.planner.sm90_tables import (
     RESCALE_THRESHOLD_LOG2,
     SM90_DECODE_REGISTER_SPLIT,
     SM90_DECODE_TILES,
+    SM90_DECODE_WIDE_REGISTER_SPLIT,
+    SM90_DECODE_WIDE_TILES,
     SM90_PAGED_PRODUCER_REGS,
+    SM90_PAGED_WIDE_REGISTER_SPLIT,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -38,6 +41,10 @@ VARIANT_FIELDS = (
 )
 
 
+WIDE_REASON = (
+    f"two consumer warpgroups, {2 * WGMMA_M} packed rows: launches over a cache of more than {WGMMA_M} packed rows "
+    "(query rows x query heads per KV head) read each K/V tile once per 128 rows, not once per 64"
+)
 PAGED_REASON = (
     f"K/V from a page pool through a page table: {PAGE_BOX}-key TMA boxes (the smallest page), each from its "
     "own page, so any page size that is a multiple of it runs without a recompile"
@@ -64,17 +71,19 @@ def decode_max_seqlen_q(spec: AttentionSpec) -> int:
     return max(1, DECODE_MAX_PACKED_ROWS // spec.qhead_per_kvhead)
 
 
-def plan_decode_sm90(spec: AttentionSpec, paged: bool = False) -> Plan:
-    """The decode kernel's plan (``paged``: over a paged cache); ValueError naming the field where
-    the variant has none."""
+def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = False) -> Plan:
+    """The decode kernel's plan (``paged``: over a paged cache; ``wide``: two consumer warpgroups,
+    128 packed rows per tile); ValueError naming the field where the variant has none."""
     problem = decode_problem(spec)
     if problem:
         raise ValueError(problem)
     variant = {name: value for name, value in variant_fields(spec).items() if name in VARIANT_FIELDS}
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
-    row = next(r for r in SM90_DECODE_TILES if max(dqk, dv) <= r.max_head_dim)
-    producer_regs, consumer_regs = SM90_DECODE_REGISTER_SPLIT
-    if paged:
+    row = next(r for r in (SM90_DECODE_WIDE_TILES if wide else SM90_DECODE_TILES) if max(dqk, dv) <= r.max_head_dim)
+    producer_regs, consumer_regs = SM90_DECODE_WIDE_REGISTER_SPLIT if wide else SM90_DECODE_REGISTER_SPLIT
+    if paged and wide:
+        producer_regs, consumer_regs = SM90_PAGED_WIDE_REGISTER_SPLIT
+    elif paged:
         producer_regs = SM90_PAGED_PRODUCER_REGS[row.ctas_per_sm]
         if row.ctas_per_sm > 1:
             consumer_regs = DECODE_PAIR_REGISTERS - producer_regs
@@ -86,6 +95,7 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False) -> Plan:
         kv_stages=row.kv_stages,
         paged=paged,
         ctas_per_sm=row.ctas_per_sm,
+        consumer_warpgroups=2 if wide else 1,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
@@ -109,6 +119,7 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False) -> Plan:
             "kv_stages": row.reason,
             "paged": PAGED_REASON if paged else "K/V contiguous per batch entry, one TMA box per key tile",
             "ctas_per_sm": row.reason,
+            "consumer_warpgroups": WIDE_REASON if wide else f"one consumer warpgroup: {WGMMA_M} packed rows per tile",
             "rescale_threshold": "O rescaled only where a row max grows past 2^8, as in the forward",
             "producer_regs": regs,
             "consumer_regs": regs,
@@ -130,9 +141,19 @@ def decode_split(spec: AttentionSpec) -> SeqlenSplit | None:
     return SeqlenSplit(label="decode", max_seqlen_q=top, plan=plan_decode_sm90(spec), reason=why)
 
 
-def paged_split(spec: AttentionSpec) -> SeqlenSplit | None:
-    """The paged decode kernel, which runs every launch that passes a page table (None where the
-    variant has no decode kernel)."""
+def cache_splits(spec: AttentionSpec) -> tuple[SeqlenSplit, ...]:
+    """The decode kernels that only launches over a KV cache run (none where the variant has no
+    decode kernel): the paged one (every launch that passes a page table), and with two consumer
+    warpgroups the contiguous and the paged one for launches of more than 64 packed rows."""
     if decode_problem(spec):
-        return None
-    return SeqlenSplit(label="paged", page_table=True, plan=plan_decode_sm90(spec, paged=True), reason=PAGED_REASON)
+        return ()
+    return (
+        SeqlenSplit(label="decode-wide", cache_only=True, plan=plan_decode_sm90(spec, wide=True), reason=WIDE_REASON),
+        SeqlenSplit(label="paged", page_table=True, plan=plan_decode_sm90(spec, paged=True), reason=PAGED_REASON),
+        SeqlenSplit(
+            label="paged-wide",
+            page_table=True,
+            plan=plan_decode_sm90(spec, paged=True, wide=True),
+            reason=f"{PAGED_REASON}; {WIDE_REASON}",
+        ),
+    )

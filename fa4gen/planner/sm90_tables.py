@@ -296,6 +296,15 @@ SM90_DECODE_TILES = (
     DecodeTileRow(128, 64, 3, 2, "d <= 128: 64 keys, 3 stages of 32 KB, 2 CTAs per SM"),
     DecodeTileRow(256, 64, 3, 1, "d > 128: 64 keys, 3 stages of up to 64 KB, one CTA per SM"),
 )
+# Two consumer warpgroups, a 128-row tile (launches over a KV cache of more than 64 packed rows):
+# a long group's rows share each K/V tile where two 64-row CTAs would each read it. One CTA holds
+# the SM, its ring as many bytes in flight as the two CTAs of the rows above (d <= 128).
+SM90_DECODE_WIDE_TILES = (
+    DecodeTileRow(64, 128, 5, 1, "128 packed rows, d <= 64: 128 keys, 5 stages of 32 KB, one CTA per SM"),
+    DecodeTileRow(128, 64, 6, 1, "128 packed rows, d <= 128: 64 keys, 6 stages of 32 KB, one CTA per SM"),
+    DecodeTileRow(256, 32, 4, 1, "128 packed rows, d > 128: 32 keys, 4 stages of up to 32 KB (Q takes 64 KB)"),
+)
+SM90_DECODE_WIDE_REGISTER_SPLIT = (24, 240)  # producer, each consumer: the forward's 2-warpgroup split
 # producer, consumer warpgroup: the producer only issues TMA; 256 registers per thread pair fit
 # two CTAs of 256 threads per SM
 SM90_DECODE_REGISTER_SPLIT = (24, 232)
@@ -304,6 +313,7 @@ DECODE_PAIR_REGISTERS = 256  # producer + consumer registers per thread pair at 
 # which spills at 24 (and at 32 with d256's 32 boxes per key tile); the consumer keeps 232 where
 # one CTA holds the SM, else the pair's rest
 SM90_PAGED_PRODUCER_REGS = {1: 40, 2: 32}
+SM90_PAGED_WIDE_REGISTER_SPLIT = (40, 232)  # the producer's 40 leave each of two consumers 232
 # Query lengths the decode kernel takes (packed rows = Sq x G, one 64-row tile): GQA launches up to
 # 64 packed rows; MHA (nothing to pack) only up to 16 query rows, where a launch still leaves SMs
 # idle without split-KV and the forward's overlapped steps win past it.

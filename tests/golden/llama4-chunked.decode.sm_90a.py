@@ -43,6 +43,7 @@ CONFIG = Sm90DecodeConfig(
     kv_stages=3,
     paged=False,
     ctas_per_sm=2,
+    consumer_warpgroups=1,
     rescale_threshold=8.0,
     producer_regs=24,
     consumer_regs=232,

@@ -1,13 +1,15 @@
 """Hopper (sm_90a) decode: short queries over a KV cache, a group's query heads packed into one tile.
 
-A CTA takes one (query tile, key split, KV head, batch entry). Its 64 rows are packed query rows
-of the KV head's group: packed row r is query index r // G of query head kv_head * G + r % G
+A CTA takes one (query tile, key split, KV head, batch entry). Its rows are packed query rows of
+the KV head's group: packed row r is query index r // G of query head kv_head * G + r % G
 (G = qhead_per_kvhead), so the G query heads share every K/V tile the CTA loads, where one CTA
 per query head would read the group's K/V G times. Warpgroup 0's first warp loads K and V by TMA
-into a ring; warpgroup 1 loads the tile's Q rows itself (their addresses follow the packing, not
-one TMA box), then per key tile: S = Q.K^T (wgmma), score modifier, mask, online softmax,
-O += P.V with P from registers. Decode is bound by the K/V bytes, so the steps do not overlap
-their MMAs with the softmax as the forward does: the ring keeps the loads streaming meanwhile.
+into a ring; each consumer warpgroup (one, or two where the planner gives the tile 128 rows: a
+long group's rows then share each K/V tile too) owns 64 rows and loads their Q itself (the
+addresses follow the packing, not one TMA box), then per key tile: S = Q.K^T (wgmma), score
+modifier, mask, online softmax, O += P.V with P from registers. Decode is bound by the K/V
+bytes, so the steps do not overlap their MMAs with the softmax as the forward does: the ring
+keeps the loads streaming meanwhile.
 
 Each batch entry's keys end at its own cache length (``seqused_k``, at most the cache's Sk):
 masks and score modifiers see that length as Sk, and query row i sits at key position
@@ -79,6 +81,7 @@ class HopperAttentionDecode:
         assert not problem, problem
         assert (mask_mod is not None) == config.expression_mask, "an expression mask comes with its mask_mod"
         self.cfg = config
+        self.warpgroups, self.tile_m = config.consumer_warpgroups, config.tile_m
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.dqk, self.dv = config.head_dim_padded, config.head_dim_v_padded
         self.tile_n, self.kv_stages = config.tile_n, config.kv_stages
@@ -117,7 +120,7 @@ class HopperAttentionDecode:
         class SharedStorage:
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            last: cute.struct.MemRange[Int32, 1]  # whether this CTA counted in last (arrives_last)
+            last: cute.struct.MemRange[Int32, self.warpgroups]  # per consumer: whether it counted in last
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
@@ -131,7 +134,7 @@ class HopperAttentionDecode:
         if cutlass.const_expr(mLSE is not None):
             lse = pack_query_heads(mLSE, G, 2, 1, (1, 0))  # ((G, Sq), Hkv, B)
         rows = mQ.shape[1] * G
-        m_blocks = cute.ceil_div(rows, WGMMA_M)
+        m_blocks = cute.ceil_div(rows, self.tile_m)
         kv_heads, batch = mK.shape[2], mQ.shape[0]
         self.kernel(
             tma_k,
@@ -154,7 +157,7 @@ class HopperAttentionDecode:
             extras,
         ).launch(
             grid=(m_blocks * num_splits, kv_heads, batch),
-            block=[2 * WARPGROUP_THREADS, 1, 1],
+            block=[(1 + self.warpgroups) * WARPGROUP_THREADS, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.cfg.ctas_per_sm,
@@ -164,9 +167,10 @@ class HopperAttentionDecode:
         )
 
     def _smem_layouts(self):
-        """Q: 64 packed rows (the Q.K^T A operand); K and V one stage per ring slot (V as the
-        P.V B operand, MN-major)."""
-        sQ = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), self.dtype, 1)
+        """Q: 64 packed rows per consumer warpgroup (its Q.K^T A operand); K and V one stage per
+        ring slot (V as the P.V B operand, MN-major)."""
+        q_tile = (WGMMA_M, self.tile_n, self.dqk)
+        sQ = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, q_tile, self.dtype, self.warpgroups)
         sK = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (WGMMA_M, self.tile_n, self.dqk), self.dtype, self.kv_stages
         )
@@ -226,11 +230,11 @@ class HopperAttentionDecode:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)[None, None, 0]
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        pipe_k = tma_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, 1)
-        pipe_v = tma_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, 1)
+        pipe_k = tma_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.warpgroups)
+        pipe_v = tma_pipeline(storage.bar_v.data_ptr(), self.kv_stages, self.v_bytes, self.warpgroups)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         args = VariantArgs(self.cfg.extra_names, extras)
@@ -247,8 +251,14 @@ class HopperAttentionDecode:
                     self.produce(tma_k, mK, tma_v, mVt, sK, sV, pipe_k, pipe_v, work)
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            splits = (mOPart, mLSEPart, mCounters, storage.last.get_tensor(cute.make_layout(1)), num_splits)
-            self.consume(mQ, mO, mLSE, sQ, sK, sV, pipe_k, pipe_v, work, splits, args)
+            wg = 0
+            if cutlass.const_expr(self.warpgroups > 1):
+                wg = warp_idx // 4 - 1
+            last = storage.last.get_tensor(cute.make_layout(self.warpgroups))
+            splits = (mOPart, mLSEPart, mCounters, last, num_splits)
+            # from here on the warpgroup's 64 rows are its query tile: m_block counts 64-row tiles
+            rows = (work[0] * self.warpgroups + wg, *work[1:])
+            self.consume(mQ, mO, mLSE, sQ[None, None, wg], sK, sV, pipe_k, pipe_v, rows, splits, wg, args)
 
     @cute.jit
     def work_of(self, mSeqUsedK, capacity: Int32, num_splits: Int32, seqlen_q: Int32, args):
@@ -269,8 +279,8 @@ class HopperAttentionDecode:
         ``m_block``: the tiles holding a key one of its rows sees (from its first and last rows'
         query indices: masking.bounds_of_rows), cut into num_splits even runs (the last ones
         may be short or empty)."""
-        first_row = m_block * WGMMA_M
-        last_row = cutlass.min(first_row + WGMMA_M, seqlen_q * self.group) - 1
+        first_row = m_block * self.tile_m
+        last_row = cutlass.min(first_row + self.tile_m, seqlen_q * self.group) - 1
         first_start, first_end = self.key_tiles.row_range(first_row // self.group, batch, seqlen_q, length, args)
         last_start, last_end = self.key_tiles.row_range(last_row // self.group, batch, seqlen_q, length, args)
         n_min, split_lo, split_hi, n_max = self.key_tiles.bounds_of_rows(
@@ -348,8 +358,8 @@ class HopperAttentionDecode:
         return (n_block * self.tile_n + box * PAGE_BOX) % page_size // PAGE_BOX
 
     @cute.jit
-    def load_q(self, mQ, sQ, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, wtidx: Int32):
-        """The tile's 64 packed Q rows into shared memory, 16 bytes per load; rows past the
+    def load_q(self, mQ, sQ, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, wtidx: Int32, wg):
+        """The warpgroup's 64 packed Q rows into shared memory, 16 bytes per load; rows past the
         group's Sq x G and columns past the head dim are zero. Ordered before the warpgroup's
         MMAs read them (generic-proxy stores, async-proxy reads)."""
         gQ = mQ[None, None, kv_head, batch]  # ((G, Sq), D)
@@ -366,16 +376,24 @@ class HopperAttentionDecode:
                     chunk[j] = gQ[packed, col + j]
             for j in cutlass.range_constexpr(VECTOR):
                 sQ[row, col + j] = chunk[j]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+        self.sync(wg, async_reads=True)
 
     @cute.jit
-    def consume(self, mQ, mO, mLSE, sQ, sK, sV, pipe_k, pipe_v, work, splits: tuple, args):
-        """The consumer warpgroup: Q, then every key tile of its run, then its output (``splits``:
-        the partials, their counters, the ``last`` word in shared memory and the split count)."""
+    def sync(self, wg, async_reads: bool):
+        """Barrier of consumer warpgroup ``wg`` (its own id: two consumers never mix), ordering its
+        shared-memory stores before the MMAs that read them where ``async_reads``."""
+        if cutlass.const_expr(async_reads):
+            cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE + wg, number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, sQ, sK, sV, pipe_k, pipe_v, work, splits: tuple, wg, args):
+        """Consumer warpgroup ``wg``: its Q rows (work's m_block counts 64-row tiles), then every
+        key tile of the CTA's run, then its output (``splits``: the partials, their counters, the
+        ``last`` word in shared memory and the split count)."""
         m_block, split, kv_head, batch, seqlen_q, length, lo, count, split_lo, split_hi = work
         wtidx = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
-        self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx)
+        self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx, wg)
         qk_mma = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, False)
         qk_acc = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, True)
         pv_mma = self._mma(self.dv, OperandMajorMode.MN, warpgroup.OperandSource.RMEM, True)
@@ -413,7 +431,7 @@ class HopperAttentionDecode:
             self.softmax.rescale(rows_cols_view(acc_o), correction)
             pipe_v.consumer_wait(v_state)
             if (n_block + 1) * self.tile_n > length:  # the tile holding the cache's last key
-                self.clear_keys_from(sV[None, None, v_state.index], length - n_block * self.tile_n, wtidx)
+                self.clear_keys_from(sV[None, None, v_state.index], length - n_block * self.tile_n, wtidx, wg)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
                 cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_state.index], acc_o)
@@ -423,20 +441,23 @@ class HopperAttentionDecode:
             k_state.advance()
             v_state.advance()
         o_coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((WGMMA_M, self.dv))))
-        self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, args)
+        if cutlass.const_expr(self.warpgroups == 1):
+            self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, wg, args)
+        elif m_block * WGMMA_M < seqlen_q * self.group:  # a 128-row tile's second half may hold no row
+            self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, wg, args)
 
     @cute.jit
-    def clear_keys_from(self, sVt, first: Int32, wtidx: Int32):
+    def clear_keys_from(self, sVt, first: Int32, wtidx: Int32, wg):
         """Zero the V rows of keys ``first`` .. tile_n - 1 of a stage (``sVt``: (Dv, keys)). Their
         P is 0, but 0 x NaN is NaN, and a cache's slots past an entry's length (or a clamped
-        page's) may hold anything. Ordered before the warpgroup's MMA reads them."""
+        page's) may hold anything. Ordered before the warpgroup's MMA reads them; a second
+        consumer clears the same rows to the same zeros, so neither waits for the other."""
         vectors = self.dv // VECTOR
         for v in cutlass.range(wtidx, (self.tile_n - first) * vectors, WARPGROUP_THREADS, unroll=1):
             key, col = first + v // vectors, v % vectors * VECTOR
             for j in cutlass.range_constexpr(VECTOR):
                 sVt[col + j, key] = self.dtype(0.0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+        self.sync(wg, async_reads=True)
 
     @cute.jit
     def row_positions(self, coords, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32, length: Int32, args):
@@ -491,7 +512,7 @@ class HopperAttentionDecode:
                     scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], -Float32.inf))
 
     @cute.jit
-    def store(self, acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits: tuple, wtidx: Int32, args):
+    def store(self, acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits: tuple, wtidx: Int32, wg, args):
         """With one split: O normalised (the sink in its denominator) and the LSE. With more:
         this split's O normalised by its own sum, fp32, and its LSE; the last split to finish
         then merges them all (``combine_tile``)."""
@@ -522,27 +543,27 @@ class HopperAttentionDecode:
                 None,
             )
             counter = mCounters.iterator + cute.crd2idx((batch, kv_head, m_block), mCounters.layout)
-            if self.arrives_last(counter, num_splits, sLast, wtidx):
+            if self.arrives_last(counter, num_splits, sLast, wtidx, wg):
                 self.combine_tile(
                     mOPart, mLSEPart, mO, mLSE, m_block, kv_head, batch, seqlen_q, num_splits, wtidx, args
                 )
 
     @cute.jit
-    def arrives_last(self, counter, num_splits: Int32, sLast, wtidx: Int32):
+    def arrives_last(self, counter, num_splits: Int32, sLast, wtidx: Int32, wg):
         """Count this CTA into its query tile's ``counter`` once the warpgroup's partial stores
         are visible GPU-wide; True in the CTA that counts in last (it lowers the counter again
         for the next launch: every split has counted in by then), whose threads then see every
         split's partial."""
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
+        self.sync(wg, async_reads=False)
         if wtidx == 0:
             before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-            sLast[0] = Int32(0)
+            sLast[wg] = Int32(0)
             if before == num_splits - 1:
-                sLast[0] = Int32(1)
+                sLast[wg] = Int32(1)
                 cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
-        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=WARPGROUP_THREADS)
-        last = sLast[0] == Int32(1)
+        self.sync(wg, async_reads=False)
+        last = sLast[wg] == Int32(1)
         if last:
             cute.arch.fence_acq_rel_gpu()
         return last

@@ -1,13 +1,13 @@
 """The Hopper decode kernel's configuration (fa4gen.kernels.sm90.decode) and its one check.
 
 Decode and short queries over a KV cache: a CTA takes one KV head of one batch entry and packs
-the query rows of all the head's query heads into its 64-row tile (row = query index x group
-size + query head in the group), so every K/V tile is read once per group, not once per query
-head; the keys of a (batch, KV head) may be split over several CTAs (split-KV), whose partial
-outputs one more kernel merges by their LSE. The split count is a run-time argument (the host
-picks it from the problem size and the SM count: ``decode_splits``), never a recompile. A paged
-config reads K/V from a page pool through a page table, whose page size (a multiple of
-PAGE_BOX) is a run-time value.
+the query rows of all the head's query heads into its tile (row = query index x group size +
+query head in the group), 64 rows per consumer warpgroup, so every K/V tile is read once per
+group and tile, not once per query head; the keys of a (batch, KV head) may be split over
+several CTAs (split-KV), whose partial outputs the last of them to finish merges by their LSE.
+The split count is a run-time argument (the host picks it from the problem size and the SM
+count: ``decode_splits``), never a recompile. A paged config reads K/V from a page pool through
+a page table, whose page size (a multiple of PAGE_BOX) is a run-time value.
 
 Like config.py this module imports no CuTe DSL: the planner, ``fa4gen.build`` and the kernel's
 constructor all call ``decode_config_problem``.
@@ -50,6 +50,7 @@ class Sm90DecodeConfig(BaseModel):
     kv_stages: int  # depth of the K and V rings
     paged: bool  # K/V from a pool of pages through a page table, PAGE_BOX keys per TMA box
     ctas_per_sm: int  # CTAs one SM holds at once (shared memory and registers split between them)
+    consumer_warpgroups: int  # 64 packed rows each, sharing every K/V tile the CTA loads
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     producer_regs: int
     consumer_regs: int
@@ -57,12 +58,12 @@ class Sm90DecodeConfig(BaseModel):
     @property
     def tile_m(self) -> int:
         """Packed query rows per CTA (query index x group size + head in the group)."""
-        return WGMMA_M
+        return WGMMA_M * self.consumer_warpgroups
 
 
 def decode_smem_bytes(c: Sm90DecodeConfig) -> int:
-    """Q (64 packed rows) + the K/V ring."""
-    q = WGMMA_M * c.head_dim_padded
+    """Q (the tile's packed rows) + the K/V ring."""
+    q = c.tile_m * c.head_dim_padded
     kv = c.kv_stages * c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     return (q + kv) * ELEMENT_BYTES + SMEM_RESERVE_BYTES
 
@@ -72,11 +73,12 @@ def decode_config_problem(c: Sm90DecodeConfig) -> str:
     extents = extent_problem(c, "tile_n")
     if extents:
         return extents
-    if c.tile_n > 256 or c.kv_stages < 2 or c.ctas_per_sm not in (1, 2):
-        return "tile_n must be at most 256, kv_stages at least 2 and ctas_per_sm 1 or 2"
+    if c.tile_n > 256 or c.kv_stages < 2 or c.ctas_per_sm not in (1, 2) or c.consumer_warpgroups not in (1, 2):
+        return "tile_n must be at most 256, kv_stages at least 2, ctas_per_sm and consumer_warpgroups 1 or 2"
     if c.paged and (c.tile_n % PAGE_BOX or c.tile_n // PAGE_BOX > 32):
         return f"a paged tile_n must be a multiple of {PAGE_BOX} keys, at most 32 boxes (a lane's page each)"
-    smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + c.consumer_regs)
+    warpgroups = c.consumer_warpgroups
+    smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + warpgroups * c.consumer_regs)
     if c.ctas_per_sm > 1:
         caps = Arch.SM90A.caps
         per_cta = caps.smem_bytes_per_sm // c.ctas_per_sm - caps.smem_reserved_per_cta
@@ -85,18 +87,31 @@ def decode_config_problem(c: Sm90DecodeConfig) -> str:
             return (
                 f"{c.ctas_per_sm} CTAs per SM take at most {per_cta} bytes of shared memory and {pool} registers each"
             )
-    return resource_problem(smem, c.producer_regs, c.consumer_regs, 1)
+    return resource_problem(smem, c.producer_regs, c.consumer_regs, warpgroups)
+
+
+def counter_tiles(seqlen_q: int, qhead_per_kvhead: int) -> int:
+    """Split counters per (batch entry, KV head): one per 64 packed rows (a consumer warpgroup's
+    rows), whatever the tile holds."""
+    return max(math.ceil(seqlen_q * qhead_per_kvhead / WGMMA_M), 1)
 
 
 def decode_splits(
-    batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int, qhead_per_kvhead: int, tile_n: int, slots: int
+    batch: int,
+    kv_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    qhead_per_kvhead: int,
+    tile_m: int,
+    tile_n: int,
+    slots: int,
 ) -> int:
     """How many CTAs share the keys of one (batch, KV head, query tile): enough to fill the
     ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
     slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
     launch already fills the slots."""
-    tiles = math.ceil(seqlen_q * qhead_per_kvhead / WGMMA_M)  # packed query tiles per KV head
+    tiles = math.ceil(seqlen_q * qhead_per_kvhead / tile_m)  # packed query tiles per KV head
     ctas = max(batch * kv_heads * tiles, 1)
     if ctas >= slots * 0.8:
         return 1
