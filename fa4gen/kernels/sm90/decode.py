@@ -47,12 +47,13 @@ from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.common.softmax import LN2, OnlineSoftmax
 from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.config import NamedBarrier
-from fa4gen.kernels.sm90.decode_config import PAGE_BOX, Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, PAGE_BOX, Sm90DecodeConfig, decode_config_problem
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
 VECTOR = 8  # 16-bit elements per 16 bytes (Q loads, V clears)
 COMBINE_WARPS = WARPGROUP_THREADS // 32  # packed rows the last split merges at once (a warp each)
+SPLITS_PER_LANE = MAX_SPLITS // 32  # the LSEs of a row's splits, spread over a warp's lanes
 
 
 def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tuple) -> cute.Tensor:
@@ -615,11 +616,20 @@ class HopperAttentionDecode:
         self, mOPart, mLSEPart, mO, mLSE, packed: Int32, kv_head: Int32, batch: Int32, lane, num_splits, args
     ):
         """O = sum_s exp(lse_s - lse) O_s over the splits, with lse = log(sum_s exp(lse_s) +
-        exp(sink)); lanes take columns lane, lane + 32, ..."""
+        exp(sink)). Lane l loads the LSEs of splits l, l + 32, ... at once (their max and sum
+        by butterfly), and sums columns l, l + 32, ... of O over the splits, each split's
+        weight shuffled from its lane: no load waits on another (a split per step would chain
+        two loads' latency per split)."""
         log2e = Float32(1.0 / LN2)
+        weights = cute.make_rmem_tensor(cute.make_layout(SPLITS_PER_LANE), Float32)
         top = -Float32.inf
-        for s in cutlass.range(num_splits, unroll=1):
-            top = cute.arch.fmax(top, mLSEPart[packed, kv_head, batch, s] * log2e)
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            weights[j] = -Float32.inf
+            if lane + 32 * j < num_splits:
+                weights[j] = mLSEPart[packed, kv_head, batch, lane + 32 * j] * log2e
+            top = cute.arch.fmax(top, weights[j])
+        for offset in cutlass.range_constexpr(5):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
         sink = Float32(0.0)
         if cutlass.const_expr(self.cfg.sinks):
             sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
@@ -627,28 +637,33 @@ class HopperAttentionDecode:
         safe = top
         if top == -Float32.inf:
             safe = Float32(0.0)
+        total = Float32(0.0)
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            weights[j] = cute.math.exp2(weights[j] - safe, fastmath=True)  # 0 past the splits
+            total = total + weights[j]
+        for offset in cutlass.range_constexpr(5):
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+        if cutlass.const_expr(self.cfg.sinks):
+            total = total + cute.math.exp2(sink - safe, fastmath=True)
         columns = cute.ceil_div(self.dv, 32)
         acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
         acc.fill(0.0)
-        total = Float32(0.0)
-        for s in cutlass.range(num_splits, unroll=1):
-            weight = cute.math.exp2(mLSEPart[packed, kv_head, batch, s] * log2e - safe, fastmath=True)
-            total = total + weight
-            for j in cutlass.range_constexpr(columns):
-                col = lane + 32 * j
-                if col < self.cfg.head_dim_v:
-                    acc[j] = acc[j] + weight * mOPart[packed, col, kv_head, batch, s]
-        if cutlass.const_expr(self.cfg.sinks):
-            total = total + cute.math.exp2(sink - safe, fastmath=True)
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            for s in cutlass.range(32 * j, cutlass.min(32 * j + 32, num_splits), unroll=4):
+                weight = cute.arch.shuffle_sync(weights[j], s - 32 * j)
+                for c in cutlass.range_constexpr(columns):
+                    col = lane + 32 * c
+                    if col < self.cfg.head_dim_v:
+                        acc[c] = acc[c] + weight * mOPart[packed, col, kv_head, batch, s]
         inv = Float32(0.0)
         lse = -Float32.inf
         if total > Float32(0.0):
             inv = cute.arch.rcp_approx(total)
             lse = (safe + cute.math.log2(total, fastmath=True)) * Float32(LN2)
-        for j in cutlass.range_constexpr(columns):
-            col = lane + 32 * j
+        for c in cutlass.range_constexpr(columns):
+            col = lane + 32 * c
             if col < self.cfg.head_dim_v:
-                mO[packed, col, kv_head, batch] = (acc[j] * inv).to(mO.element_type)
+                mO[packed, col, kv_head, batch] = (acc[c] * inv).to(mO.element_type)
         if cutlass.const_expr(mLSE is not None):
             if lane == 0:
                 mLSE[packed, kv_head, batch] = lse
