@@ -148,8 +148,9 @@ def test_length_range_plans_are_built_beside_the_default(warm_cache):
             labels.add(split.label)
             assert built.plan == split.plan and built.key != result.key and built.entry.path.is_dir(), name
     # phi3-mini (d96) is the spec in specs/ with short and long ranges; every spec but packed
-    # documents and prefix-LM has a decode range and a paged kernel
-    assert labels == {"short", "long", "decode", "paged"}, "a plan no spec in specs/ has would go uncompiled in CI"
+    # documents and prefix-LM has a decode range and the KV-cache kernels (128 rows; paged)
+    expected = {"short", "long", "decode", "decode-wide", "paged", "paged-wide"}
+    assert labels == expected, "a plan no spec in specs/ has would go uncompiled in CI"
 
 
 def test_every_spec_compiles_to_a_complete_entry(every_artifact):
