@@ -13,9 +13,10 @@ of rotating order (as ``fa4gen.bench.time_balanced``: 5 rounds of 6 launches), i
 queued behind a GPU spin so that the events time the kernels, not the host's launch path, on
 random inputs rotated so that small caches do not sit in L2; the median of the 30 counts.
 TB/s counts K and V read once (B x Sk x Hkv x (d + dv) x 2 bytes), the same for paged cells;
-%HBM is that over the H200's 4.8 TB/s. Peers, each skipped where not installed or failing:
-flash-attn-4 (``flash_attn_varlen_func`` with (B, S, H, D) tensors, ``seqused_k`` and, paged,
-``page_table``), SDPA with the cuDNN and the flash backends (contiguous cells only).
+%HBM is that over the device's HBM peak (the H200's 4.8 TB/s, the H100's 3.35: ``hbm_peak``).
+Peers, each skipped where not installed or failing: flash-attn-4 (``flash_attn_varlen_func`` with
+(B, S, H, D) tensors, ``seqused_k`` and, paged, ``page_table``), SDPA with the cuDNN and the flash
+backends (contiguous cells only).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fa4gen.spec import AttentionSpec  # noqa: E402
 KV_HEADS = 8
 HEAD_DIM = 128
 HBM_TBPS = 4.8  # the H200's HBM3e peak
+HBM_PEAKS = {"H200": 4.8, "H100": 3.35}  # TB/s by device name (the H100 SXM's HBM3)
 MAX_KV_BYTES = 24e9  # K+V past this are skipped: with rotated sets and peers' copies the GPU must hold more
 BIG_KV_BYTES = 1e9  # the cells where reading K/V, not launching, should set the time
 HBM_GOAL = 0.85
@@ -463,7 +465,12 @@ def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def table_lines(rows: list[dict[str, Any]]) -> list[str]:
+def hbm_peak(device: str) -> float:
+    """The HBM peak (TB/s) of the device a run names (the H200's where it names neither)."""
+    return next((peak for name, peak in HBM_PEAKS.items() if name in device), HBM_TBPS)
+
+
+def table_lines(rows: list[dict[str, Any]], peak: float = HBM_TBPS) -> list[str]:
     head = ["case", "B", "Sq", "Sk", "G", "layout", "HBM limit us", "fa4gen us", "fa4gen TB/s", "%HBM"]
     head += [f"{p} us" for p in PEERS] + ["best peer", "fa4gen / best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -472,8 +479,9 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         name, best = best_peer(row)
         ratio = best / mine["us"] if best and "us" in mine else None
         values = [row["kind"], row["batch"], row["seqlen_q"], row["seqlen_k"], row["group"], row["layout"]]
-        values += [f"{row['hbm_limit_us']:.1f}", _cell(mine.get("us"), ".1f"), _cell(mine.get("tbps"), ".2f")]
-        values += [_cell(100 * mine["hbm_fraction"] if "us" in mine else None, ".0f")]
+        limit = row["kv_bytes"] / (peak * 1e12) * 1e6
+        values += [f"{limit:.1f}", _cell(mine.get("us"), ".1f"), _cell(mine.get("tbps"), ".2f")]
+        values += [_cell(100 * mine["tbps"] / peak if "us" in mine else None, ".0f")]
         values += [_cell(us_of(row, p), ".1f") for p in PEERS] + [name or "-", f"{ratio:.2f}x" if ratio else "-"]
         lines.append("| " + " | ".join(map(str, values)) + " |")
     return lines
@@ -494,13 +502,13 @@ def _shape(row: dict[str, Any]) -> tuple:
     return row["batch"], row["seqlen_q"], row["seqlen_k"], row["group"]
 
 
-def hbm_count(rows: list[dict[str, Any]]) -> tuple[int, int]:
-    """(cells reaching HBM_GOAL of HBM, cells) over fa4gen's timed decode cells of >= 1 GB K/V."""
+def hbm_count(rows: list[dict[str, Any]], peak: float = HBM_TBPS) -> tuple[int, int]:
+    """(cells reaching HBM_GOAL of ``peak``, cells) over fa4gen's timed decode cells of >= 1 GB K/V."""
     big = [r for r in rows if r["kind"] == "decode" and r["kv_bytes"] >= BIG_KV_BYTES and us_of(r, "fa4gen")]
-    return sum(r["fa4gen"]["hbm_fraction"] >= HBM_GOAL for r in big), len(big)
+    return sum(r["fa4gen"]["tbps"] >= HBM_GOAL * peak for r in big), len(big)
 
 
-def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+def summary_lines(rows: list[dict[str, Any]], peak: float = HBM_TBPS) -> list[str]:
     lines = []
     for peer in (*PEERS, "best peer"):
         if peer == "best peer":
@@ -510,8 +518,8 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         if found:
             stats = f"min {min(found):.2f}x, geometric mean {geomean(found):.2f}x over {len(found)} cells"
             lines.append(f"- fa4gen vs {peer} (its time / fa4gen's): {stats}")
-    reached, total = hbm_count(rows)
-    goal = f"{100 * HBM_GOAL:.0f}% of HBM ({HBM_TBPS} TB/s)"
+    reached, total = hbm_count(rows, peak)
+    goal = f"{100 * HBM_GOAL:.0f}% of HBM ({peak} TB/s)"
     lines.append(f"- decode cells with >= {BIG_KV_BYTES / 1e9:.0f} GB of K/V reaching >= {goal}: {reached} of {total}")
     for name in ("fa4gen", "fa4"):
         for layout, found in paged_ratios(rows, name).items():
@@ -531,9 +539,10 @@ def report(args) -> None:
         f"Measured {env['date']} on {env['device']}: torch {env['torch']} (CUDA {env['cuda']}, cuDNN "
         f"{env['cudnn']}), flash-attn-4 {env['flash-attn-4']}, fa4gen {env['fa4gen']}.\n"
     )
-    print("\n".join(table_lines(rows)))
+    peak = hbm_peak(env["device"])
+    print("\n".join(table_lines(rows, peak)))
     print()
-    print("\n".join(summary_lines(rows)))
+    print("\n".join(summary_lines(rows, peak)))
 
 
 def main(argv=None) -> None:

@@ -44,16 +44,15 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
 from fa4gen.kernels.common.masking import KeyTileRange
-from fa4gen.kernels.common.softmax import LN2, OnlineSoftmax
+from fa4gen.kernels.common.softmax import OnlineSoftmax
 from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.config import NamedBarrier
-from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, PAGE_BOX, Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.decode_config import PAGE_BOX, Sm90DecodeConfig, decode_config_problem
+from fa4gen.kernels.sm90.decode_merge import DecodeSplitMerge
 from fa4gen.kernels.sm90.producer import tma_pipeline
 
 SMEM_ALIGN = 1024
 VECTOR = 8  # 16-bit elements per 16 bytes (Q loads, V clears)
-COMBINE_WARPS = WARPGROUP_THREADS // 32  # packed rows the last split merges at once (a warp each)
-SPLITS_PER_LANE = MAX_SPLITS // 32  # the LSEs of a row's splits, spread over a warp's lanes
 
 
 def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tuple) -> cute.Tensor:
@@ -71,7 +70,7 @@ def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tup
     return cute.make_tensor(t.iterator, layout)
 
 
-class HopperAttentionDecode:
+class HopperAttentionDecode(DecodeSplitMerge):
     """One compiled decode kernel (and its split combine): ``config`` is the planner's
     Sm90DecodeConfig; score_mod and mask_mod the variant's hooks from the emitted module."""
 
@@ -122,6 +121,7 @@ class HopperAttentionDecode:
             bar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             last: cute.struct.MemRange[Int32, self.warpgroups]  # per consumer: whether it counted in last
+            stats: cute.struct.MemRange[Float32, 2 * WGMMA_M * self.warpgroups]  # the merge's row max, 1 / sum
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
@@ -256,7 +256,8 @@ class HopperAttentionDecode:
             if cutlass.const_expr(self.warpgroups > 1):
                 wg = warp_idx // 4 - 1
             last = storage.last.get_tensor(cute.make_layout(self.warpgroups))
-            splits = (mOPart, mLSEPart, mCounters, last, num_splits)
+            stats = storage.stats.get_tensor(cute.make_layout((WGMMA_M, 2, self.warpgroups)))
+            splits = (mOPart, mLSEPart, mCounters, last, stats, num_splits)
             # from here on the warpgroup's 64 rows are its query tile: m_block counts 64-row tiles
             rows = (work[0] * self.warpgroups + wg, *work[1:])
             self.consume(mQ, mO, mLSE, sQ[None, None, wg], sK, sV, pipe_k, pipe_v, rows, splits, wg, args)
@@ -518,7 +519,7 @@ class HopperAttentionDecode:
         this split's O normalised by its own sum, fp32, and its LSE; the last split to finish
         then merges them all (``combine_tile``)."""
         m_block, split, kv_head, batch, seqlen_q, _, _, _, _, _ = work
-        mOPart, mLSEPart, mCounters, sLast, num_splits = splits
+        mOPart, mLSEPart, mCounters, sLast, sStats, num_splits = splits
         out = rows_cols_view(acc_o)
         lse = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         rows = seqlen_q * self.group
@@ -545,9 +546,8 @@ class HopperAttentionDecode:
             )
             counter = mCounters.iterator + cute.crd2idx((batch, kv_head, m_block), mCounters.layout)
             if self.arrives_last(counter, num_splits, sLast, wtidx, wg):
-                self.combine_tile(
-                    mOPart, mLSEPart, mO, mLSE, m_block, kv_head, batch, seqlen_q, num_splits, wtidx, args
-                )
+                where = (m_block, kv_head, batch, seqlen_q)
+                self.combine_tile((mOPart, mLSEPart), (mO, mLSE), where, num_splits, sStats, wtidx, wg, args)
 
     @cute.jit
     def arrives_last(self, counter, num_splits: Int32, sLast, wtidx: Int32, wg):
@@ -587,83 +587,3 @@ class HopperAttentionDecode:
                             gLSE[packed] = lse[r]
                         else:
                             gLSE[packed, kv_head, batch] = lse[r]
-
-    # ------------------------------------------------------------------ split combine
-    @cute.jit
-    def combine_tile(
-        self,
-        mOPart,
-        mLSEPart,
-        mO,
-        mLSE,
-        m_block: Int32,
-        kv_head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        num_splits,
-        wtidx,
-        args,
-    ):
-        """The last split of a query tile merges the tile's rows, a warp per packed row."""
-        lane, rows = wtidx % 32, seqlen_q * self.group
-        for r in cutlass.range(wtidx // 32, WGMMA_M, COMBINE_WARPS, unroll=1):
-            packed = m_block * WGMMA_M + r
-            if packed < rows:
-                self.combine_row(mOPart, mLSEPart, mO, mLSE, packed, kv_head, batch, lane, num_splits, args)
-
-    @cute.jit
-    def combine_row(
-        self, mOPart, mLSEPart, mO, mLSE, packed: Int32, kv_head: Int32, batch: Int32, lane, num_splits, args
-    ):
-        """O = sum_s exp(lse_s - lse) O_s over the splits, with lse = log(sum_s exp(lse_s) +
-        exp(sink)). Lane l loads the LSEs of splits l, l + 32, ... at once (their max and sum
-        by butterfly), and sums columns l, l + 32, ... of O over the splits, each split's
-        weight shuffled from its lane: no load waits on another (a split per step would chain
-        two loads' latency per split)."""
-        log2e = Float32(1.0 / LN2)
-        weights = cute.make_rmem_tensor(cute.make_layout(SPLITS_PER_LANE), Float32)
-        top = -Float32.inf
-        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
-            weights[j] = -Float32.inf
-            if lane + 32 * j < num_splits:
-                weights[j] = mLSEPart[packed, kv_head, batch, lane + 32 * j] * log2e
-            top = cute.arch.fmax(top, weights[j])
-        for offset in cutlass.range_constexpr(5):
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
-        sink = Float32(0.0)
-        if cutlass.const_expr(self.cfg.sinks):
-            sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
-            top = cute.arch.fmax(top, sink)
-        safe = top
-        if top == -Float32.inf:
-            safe = Float32(0.0)
-        total = Float32(0.0)
-        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
-            weights[j] = cute.math.exp2(weights[j] - safe, fastmath=True)  # 0 past the splits
-            total = total + weights[j]
-        for offset in cutlass.range_constexpr(5):
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
-        if cutlass.const_expr(self.cfg.sinks):
-            total = total + cute.math.exp2(sink - safe, fastmath=True)
-        columns = cute.ceil_div(self.dv, 32)
-        acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
-        acc.fill(0.0)
-        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
-            for s in cutlass.range(32 * j, cutlass.min(32 * j + 32, num_splits), unroll=4):
-                weight = cute.arch.shuffle_sync(weights[j], s - 32 * j)
-                for c in cutlass.range_constexpr(columns):
-                    col = lane + 32 * c
-                    if col < self.cfg.head_dim_v:
-                        acc[c] = acc[c] + weight * mOPart[packed, col, kv_head, batch, s]
-        inv = Float32(0.0)
-        lse = -Float32.inf
-        if total > Float32(0.0):
-            inv = cute.arch.rcp_approx(total)
-            lse = (safe + cute.math.log2(total, fastmath=True)) * Float32(LN2)
-        for c in cutlass.range_constexpr(columns):
-            col = lane + 32 * c
-            if col < self.cfg.head_dim_v:
-                mO[packed, col, kv_head, batch] = (acc[c] * inv).to(mO.element_type)
-        if cutlass.const_expr(mLSE is not None):
-            if lane == 0:
-                mLSE[packed, kv_head, batch] = lse

@@ -1,0 +1,112 @@
+"""The decode kernel's split merge (fa4gen.kernels.sm90.decode): the last split of a 64-row query
+tile to finish merges every split's partial O by their LSE.
+
+O = sum_s exp(lse_s - lse) O_s with lse = log(sum_s exp(lse_s) + exp(sink)). The merge is on the
+launch's critical path (every other CTA is done by then), and its cost is load latency, so it is
+laid out for many independent loads in flight rather than few instructions:
+1. one thread per row reads the row's split LSEs in one pass (online max and sum, the loads
+   unrolled) and leaves the row's max and 1 / sum in shared memory, writing the merged LSE;
+2. each warp then takes ROWS_PER_WARP rows at once, lanes over the columns, and for each split
+   loads every row's LSE and O columns before it adds any of them: a split costs about one load
+   latency, not two dependent loads per row.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.kernels.common.softmax import LN2
+
+COMBINE_WARPS = WARPGROUP_THREADS // 32
+ROWS_PER_WARP = 8  # rows a warp merges at once: 8 x (Dv / 32) accumulators per lane
+ROWS_PER_PASS = COMBINE_WARPS * ROWS_PER_WARP
+
+
+class DecodeSplitMerge:
+    """Mixed into HopperAttentionDecode: needs ``cfg``, ``group``, ``dv`` and ``sync``."""
+
+    @cute.jit
+    def combine_tile(self, parts: tuple, outs: tuple, where: tuple, num_splits: Int32, sStats, wtidx, wg, args):
+        """Merge the partials of 64-row query tile ``m_block`` (``parts``: (O partials, LSE
+        partials); ``outs``: (O, LSE or None); ``where``: (m_block, kv_head, batch, seqlen_q);
+        ``sStats``: (64, 2, warpgroups) fp32 shared memory for each row's max and 1 / sum)."""
+        mOPart, mLSEPart = parts
+        m_block, kv_head, batch, seqlen_q = where
+        rows = seqlen_q * self.group
+        first = m_block * WGMMA_M
+        if wtidx < WGMMA_M:
+            if first + wtidx < rows:
+                self.row_stats(mLSEPart, outs[1], first + wtidx, kv_head, batch, num_splits, sStats, wtidx, wg, args)
+        self.sync(wg, async_reads=False)
+        for p in cutlass.range_constexpr(WGMMA_M // ROWS_PER_PASS):
+            if first + p * ROWS_PER_PASS < rows:  # (a pass past the tile's rows has nothing to merge)
+                self.merge_rows(parts, outs[0], where, p, num_splits, sStats, wtidx, wg)
+
+    @cute.jit
+    def row_stats(self, mLSEPart, mLSE, packed: Int32, kv_head, batch, num_splits, sStats, r, wg, args):
+        """Row ``packed``'s max (log2 units, 0 where every split is empty and no sink) and 1 / sum
+        of exp2 over its splits and its sink into sStats[r, :, wg]; its merged LSE into mLSE."""
+        log2e = Float32(1.0 / LN2)
+        top, total = -Float32.inf, Float32(0.0)
+        for s in cutlass.range(num_splits, unroll=4):
+            value = mLSEPart[packed, kv_head, batch, s] * log2e
+            grown = cute.arch.fmax(top, value)
+            safe = grown
+            if grown == -Float32.inf:
+                safe = Float32(0.0)
+            total = total * cute.math.exp2(top - safe, fastmath=True) + cute.math.exp2(value - safe, fastmath=True)
+            top = grown
+        if cutlass.const_expr(self.cfg.sinks):
+            sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
+            grown = cute.arch.fmax(top, sink)
+            total = total * cute.math.exp2(top - grown, fastmath=True) + cute.math.exp2(sink - grown, fastmath=True)
+            top = grown
+        if top == -Float32.inf:
+            top = Float32(0.0)
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = cute.arch.rcp_approx(total)
+            lse = (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+        sStats[r, 0, wg] = top
+        sStats[r, 1, wg] = inv
+        if cutlass.const_expr(mLSE is not None):
+            mLSE[packed, kv_head, batch] = lse
+
+    @cute.jit
+    def merge_rows(self, parts: tuple, mO, where: tuple, p: int, num_splits: Int32, sStats, wtidx, wg):
+        """Pass ``p``: this warp's ROWS_PER_WARP rows (warp + COMBINE_WARPS x i), lane l taking
+        columns l, l + 32, ... Rows past Sq x G read the last row (in bounds) with weight 0 and
+        are not written; so are columns past Dv."""
+        mOPart, mLSEPart = parts
+        m_block, kv_head, batch, seqlen_q = where
+        log2e = Float32(1.0 / LN2)
+        lane, rows = wtidx % 32, seqlen_q * self.group
+        columns = cute.ceil_div(self.dv, 32)
+        acc = cute.make_rmem_tensor(cute.make_layout((ROWS_PER_WARP, columns)), Float32)
+        acc.fill(0.0)
+        packed = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Int32)
+        tops = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Float32)
+        invs = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Float32)
+        for i in cutlass.range_constexpr(ROWS_PER_WARP):
+            r = wtidx // 32 + COMBINE_WARPS * (p * ROWS_PER_WARP + i)
+            packed[i] = cutlass.min(m_block * WGMMA_M + r, rows - 1)
+            tops[i], invs[i] = sStats[r, 0, wg], sStats[r, 1, wg]
+            if m_block * WGMMA_M + r >= rows:
+                invs[i] = Float32(0.0)
+        last_col = self.cfg.head_dim_v - 1
+        for s in cutlass.range(num_splits, unroll=2):
+            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+                lse = mLSEPart[packed[i], kv_head, batch, s] * log2e
+                weight = cute.math.exp2(lse - tops[i], fastmath=True) * invs[i]
+                for c in cutlass.range_constexpr(columns):
+                    col = cutlass.min(lane + 32 * c, last_col)
+                    acc[i, c] = acc[i, c] + weight * mOPart[packed[i], col, kv_head, batch, s]
+        for i in cutlass.range_constexpr(ROWS_PER_WARP):
+            if m_block * WGMMA_M + wtidx // 32 + COMBINE_WARPS * (p * ROWS_PER_WARP + i) < rows:
+                for c in cutlass.range_constexpr(columns):
+                    if lane + 32 * c < self.cfg.head_dim_v:
+                        mO[packed[i], lane + 32 * c, kv_head, batch] = acc[i, c].to(mO.element_type)
