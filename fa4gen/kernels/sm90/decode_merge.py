@@ -3,7 +3,9 @@ tile to finish merges every split's partial O by their LSE.
 
 O = sum_s exp(lse_s - lse) O_s with lse = log(sum_s exp(lse_s) + exp(sink)). The merge is on the
 launch's critical path (every other CTA is done by then), and its cost is load latency, so it is
-laid out for many independent loads in flight rather than few instructions:
+laid out for many independent loads in flight rather than few instructions. A tile of at most
+FEW_ROWS rows (decode at small G) merges a row per warp, the lanes holding the splits' LSEs
+(max and sum by butterfly) and each split's weight shuffled from its lane. More rows:
 1. one thread per row reads the row's split LSEs in one pass (online max and sum, the loads
    unrolled) and leaves the row's max and 1 / sum in shared memory, writing the merged LSE;
 2. each warp then takes ROWS_PER_WARP rows at once, lanes over the columns, and for each split
@@ -19,10 +21,13 @@ from cutlass import Float32, Int32
 
 from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.softmax import LN2
+from fa4gen.kernels.sm90.decode_config import MAX_SPLITS
 
 COMBINE_WARPS = WARPGROUP_THREADS // 32
 ROWS_PER_WARP = 8  # rows a warp merges at once: 8 x (Dv / 32) accumulators per lane
 ROWS_PER_PASS = COMBINE_WARPS * ROWS_PER_WARP
+FEW_ROWS = 2 * COMBINE_WARPS  # up to here a row per warp, its splits over the lanes (fewer round trips)
+SPLITS_PER_LANE = MAX_SPLITS // 32
 
 
 class DecodeSplitMerge:
@@ -37,13 +42,69 @@ class DecodeSplitMerge:
         m_block, kv_head, batch, seqlen_q = where
         rows = seqlen_q * self.group
         first = m_block * WGMMA_M
-        if wtidx < WGMMA_M:
-            if first + wtidx < rows:
+        tile_rows = cutlass.min(rows - first, WGMMA_M)
+        if tile_rows <= FEW_ROWS:
+            for r in cutlass.range(wtidx // 32, tile_rows, COMBINE_WARPS, unroll=1):
+                self.merge_row_over_lanes(parts, outs, first + r, kv_head, batch, wtidx % 32, num_splits, args)
+        else:
+            if wtidx < tile_rows:  # (tile_rows <= 64: the first two warps)
                 self.row_stats(mLSEPart, outs[1], first + wtidx, kv_head, batch, num_splits, sStats, wtidx, wg, args)
-        self.sync(wg, async_reads=False)
-        for p in cutlass.range_constexpr(WGMMA_M // ROWS_PER_PASS):
-            if first + p * ROWS_PER_PASS < rows:  # (a pass past the tile's rows has nothing to merge)
-                self.merge_rows(parts, outs[0], where, p, num_splits, sStats, wtidx, wg)
+            self.sync(wg, async_reads=False)
+            for p in cutlass.range_constexpr(WGMMA_M // ROWS_PER_PASS):
+                if p * ROWS_PER_PASS < tile_rows:  # (a pass past the tile's rows has nothing to merge)
+                    self.merge_rows(parts, outs[0], where, p, num_splits, sStats, wtidx, wg)
+
+    @cute.jit
+    def merge_row_over_lanes(self, parts: tuple, outs: tuple, packed: Int32, kv_head, batch, lane, num_splits, args):
+        """One row, one warp: lane l loads the LSEs of splits l, l + 32, ... at once (their max
+        and sum by butterfly), and sums columns l, l + 32, ... of O over the splits, each
+        split's weight shuffled from its lane."""
+        mOPart, mLSEPart = parts
+        mO, mLSE = outs
+        log2e = Float32(1.0 / LN2)
+        weights = cute.make_rmem_tensor(cute.make_layout(SPLITS_PER_LANE), Float32)
+        top = -Float32.inf
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            weights[j] = -Float32.inf
+            if lane + 32 * j < num_splits:
+                weights[j] = mLSEPart[packed, kv_head, batch, lane + 32 * j] * log2e
+            top = cute.arch.fmax(top, weights[j])
+        for offset in cutlass.range_constexpr(5):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
+        sink = Float32(0.0)
+        if cutlass.const_expr(self.cfg.sinks):
+            sink = Float32(args.sinks[kv_head * self.group + packed % self.group]) * log2e
+            top = cute.arch.fmax(top, sink)
+        if top == -Float32.inf:
+            top = Float32(0.0)
+        total = Float32(0.0)
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            weights[j] = cute.math.exp2(weights[j] - top, fastmath=True)  # 0 past the splits
+            total = total + weights[j]
+        for offset in cutlass.range_constexpr(5):
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+        if cutlass.const_expr(self.cfg.sinks):
+            total = total + cute.math.exp2(sink - top, fastmath=True)
+        columns = cute.ceil_div(self.dv, 32)
+        acc = cute.make_rmem_tensor(cute.make_layout(columns), Float32)
+        acc.fill(0.0)
+        last_col = self.cfg.head_dim_v - 1
+        for j in cutlass.range_constexpr(SPLITS_PER_LANE):
+            for s in cutlass.range(32 * j, cutlass.min(32 * j + 32, num_splits), unroll=4):
+                weight = cute.arch.shuffle_sync(weights[j], s - 32 * j)
+                for c in cutlass.range_constexpr(columns):
+                    acc[c] = acc[c] + weight * mOPart[packed, cutlass.min(lane + 32 * c, last_col), kv_head, batch, s]
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = cute.arch.rcp_approx(total)
+            lse = (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+        for c in cutlass.range_constexpr(columns):
+            if lane + 32 * c < self.cfg.head_dim_v:
+                mO[packed, lane + 32 * c, kv_head, batch] = (acc[c] * inv).to(mO.element_type)
+        if cutlass.const_expr(mLSE is not None):
+            if lane == 0:
+                mLSE[packed, kv_head, batch] = lse
 
     @cute.jit
     def row_stats(self, mLSEPart, mLSE, packed: Int32, kv_head, batch, num_splits, sStats, r, wg, args):
