@@ -8,7 +8,7 @@ FEW_ROWS rows (decode at small G) merges a row per warp, the lanes holding the s
 (max and sum by butterfly) and each split's weight shuffled from its lane. More rows:
 1. one thread per row reads the row's split LSEs in one pass (online max and sum, the loads
    unrolled) and leaves the row's max and 1 / sum in shared memory, writing the merged LSE;
-2. each warp then takes ROWS_PER_WARP rows at once, lanes over the columns, and for each split
+2. each warp then takes up to 8 rows at once (``rows_per_warp``), lanes over the columns, and for each split
    loads every row's LSE and O columns before it adds any of them: a split costs about one load
    latency, not two dependent loads per row.
 """
@@ -24,14 +24,18 @@ from fa4gen.kernels.common.softmax import LN2
 from fa4gen.kernels.sm90.decode_config import MAX_SPLITS
 
 COMBINE_WARPS = WARPGROUP_THREADS // 32
-ROWS_PER_WARP = 8  # rows a warp merges at once: 8 x (Dv / 32) accumulators per lane
-ROWS_PER_PASS = COMBINE_WARPS * ROWS_PER_WARP
+MERGE_ACCUMULATORS = 32  # per lane: rows a warp merges at once x (Dv / 32) (64 spilled at d256)
 FEW_ROWS = 2 * COMBINE_WARPS  # up to here a row per warp, its splits over the lanes (fewer round trips)
 SPLITS_PER_LANE = MAX_SPLITS // 32
 
 
 class DecodeSplitMerge:
     """Mixed into HopperAttentionDecode: needs ``cfg``, ``group``, ``dv`` and ``sync``."""
+
+    @property
+    def rows_per_warp(self) -> int:
+        """Rows a warp merges at once: 8, fewer where Dv's columns would take more registers."""
+        return max(1, min(8, MERGE_ACCUMULATORS // -(-self.dv // 32)))
 
     @cute.jit
     def combine_tile(self, parts: tuple, outs: tuple, where: tuple, num_splits: Int32, sStats, wtidx, wg, args):
@@ -50,8 +54,9 @@ class DecodeSplitMerge:
             if wtidx < tile_rows:  # (tile_rows <= 64: the first two warps)
                 self.row_stats(mLSEPart, outs[1], first + wtidx, kv_head, batch, num_splits, sStats, wtidx, wg, args)
             self.sync(wg, async_reads=False)
-            for p in cutlass.range_constexpr(WGMMA_M // ROWS_PER_PASS):
-                if p * ROWS_PER_PASS < tile_rows:  # (a pass past the tile's rows has nothing to merge)
+            per_pass = COMBINE_WARPS * self.rows_per_warp
+            for p in cutlass.range_constexpr(WGMMA_M // per_pass):
+                if p * per_pass < tile_rows:  # (a pass past the tile's rows has nothing to merge)
                     self.merge_rows(parts, outs[0], where, p, num_splits, sStats, wtidx, wg)
 
     @cute.jit
@@ -139,7 +144,7 @@ class DecodeSplitMerge:
 
     @cute.jit
     def merge_rows(self, parts: tuple, mO, where: tuple, p: int, num_splits: Int32, sStats, wtidx, wg):
-        """Pass ``p``: this warp's ROWS_PER_WARP rows (warp + COMBINE_WARPS x i), lane l taking
+        """Pass ``p``: this warp's rows_per_warp rows (warp + COMBINE_WARPS x (p x rows_per_warp + i)), lane l taking
         columns l, l + 32, ... Rows past Sq x G read the last row (in bounds) with weight 0 and
         are not written; so are columns past Dv."""
         mOPart, mLSEPart = parts
@@ -147,27 +152,27 @@ class DecodeSplitMerge:
         log2e = Float32(1.0 / LN2)
         lane, rows = wtidx % 32, seqlen_q * self.group
         columns = cute.ceil_div(self.dv, 32)
-        acc = cute.make_rmem_tensor(cute.make_layout((ROWS_PER_WARP, columns)), Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout((self.rows_per_warp, columns)), Float32)
         acc.fill(0.0)
-        packed = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Int32)
-        tops = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Float32)
-        invs = cute.make_rmem_tensor(cute.make_layout(ROWS_PER_WARP), Float32)
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            r = wtidx // 32 + COMBINE_WARPS * (p * ROWS_PER_WARP + i)
+        packed = cute.make_rmem_tensor(cute.make_layout(self.rows_per_warp), Int32)
+        tops = cute.make_rmem_tensor(cute.make_layout(self.rows_per_warp), Float32)
+        invs = cute.make_rmem_tensor(cute.make_layout(self.rows_per_warp), Float32)
+        for i in cutlass.range_constexpr(self.rows_per_warp):
+            r = wtidx // 32 + COMBINE_WARPS * (p * self.rows_per_warp + i)
             packed[i] = cutlass.min(m_block * WGMMA_M + r, rows - 1)
             tops[i], invs[i] = sStats[r, 0, wg], sStats[r, 1, wg]
             if m_block * WGMMA_M + r >= rows:
                 invs[i] = Float32(0.0)
         last_col = self.cfg.head_dim_v - 1
         for s in cutlass.range(num_splits, unroll=2):
-            for i in cutlass.range_constexpr(ROWS_PER_WARP):
+            for i in cutlass.range_constexpr(self.rows_per_warp):
                 lse = mLSEPart[packed[i], kv_head, batch, s] * log2e
                 weight = cute.math.exp2(lse - tops[i], fastmath=True) * invs[i]
                 for c in cutlass.range_constexpr(columns):
                     col = cutlass.min(lane + 32 * c, last_col)
                     acc[i, c] = acc[i, c] + weight * mOPart[packed[i], col, kv_head, batch, s]
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            if m_block * WGMMA_M + wtidx // 32 + COMBINE_WARPS * (p * ROWS_PER_WARP + i) < rows:
+        for i in cutlass.range_constexpr(self.rows_per_warp):
+            if m_block * WGMMA_M + wtidx // 32 + COMBINE_WARPS * (p * self.rows_per_warp + i) < rows:
                 for c in cutlass.range_constexpr(columns):
                     if lane + 32 * c < self.cfg.head_dim_v:
                         mO[packed[i], lane + 32 * c, kv_head, batch] = acc[i, c].to(mO.element_type)
