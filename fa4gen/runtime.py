@@ -112,6 +112,7 @@ class AttentionKernel:
         self.key = key
         self.path = path
         self.splits = splits  # the kernels of the planner's plans for ranges of query lengths
+        self._cache_kernels: dict[bool, list] = {}  # paged -> decode kernels by rows per tile (_cache_kernel)
         self._function = function
         # () -> (function, entry path, pending): builds and loads this plan's kernel on its first
         # launch (fa4gen.compile on a cache miss), so a first call compiles only the kernel it
@@ -223,8 +224,11 @@ class AttentionKernel:
         heads per KV head), else the one with the most."""
         from fa4gen.planner.sm90_decode import decode_problem
 
-        kernels = (k for k in (self, *(s.kernel for s in self.splits)) if k.plan.is_decode)
-        found = sorted((k for k in kernels if k.plan.config.paged == paged), key=lambda k: k.plan.config.tile_m)
+        found = self._cache_kernels.get(paged)
+        if found is None:  # once per kernel: a launch only scans the (one or two) kernels found
+            kernels = (k for k in (self, *(s.kernel for s in self.splits)) if k.plan.is_decode)
+            found = sorted((k for k in kernels if k.plan.config.paged == paged), key=lambda k: k.plan.config.tile_m)
+            self._cache_kernels[paged] = found
         if not found:
             argument, kernel = ("page_table", "paged decode kernel") if paged else ("seqused_k", "decode kernel")
             raise ValueError(
