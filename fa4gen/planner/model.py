@@ -71,7 +71,7 @@ class SeqlenSplit(BaseModel):
     ``max_seqlen_q`` rows (None: no upper limit); ``fa4gen.compile`` picks per call. With
     ``page_table`` the plan runs launches over a paged KV cache instead, with ``cache_only`` launches
     over a contiguous one (``seqused_k``); the runtime picks among those by their tiles' packed rows
-    (fa4gen.runtime.AttentionKernel.cache_kernel)."""
+    (fa4gen.runtime.AttentionKernel.decode_kernel and paged_kernel)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
