@@ -3,6 +3,7 @@
     python benchmarks/decode.py warm   [--grid full|quick] [--match G8/]     # any machine: compile the kernels
     python benchmarks/decode.py run    [--grid full|quick] [--match Sq1/,paged] [--part 1/2] [--out rows.json]
     python benchmarks/decode.py report rows.json [rows2.json ...] > table.md
+    python benchmarks/decode.py compare base.json new.json [new2.json base2.json]   # an A/B of two trees
 
 Cells: Llama-3-8B-style heads (8 KV heads, 8 x G query heads, d 128, bf16, causal aligned to the
 end of the cache) over a KV cache of Sk tokens per batch entry, read through ``seqused_k``: the
@@ -545,10 +546,52 @@ def report(args) -> None:
     print("\n".join(summary_lines(rows, peak)))
 
 
+def compare_lines(base_runs: list[dict], new_runs: list[dict]) -> list[str]:
+    """fa4gen's time in the base runs over its time in the new runs, per cell (the geometric mean
+    over the runs: an A/B run in both orders cancels the position bias) and over the cells, with
+    flash-attn-4's ratio between the same runs beside it (how far the machine moved meanwhile)."""
+
+    def times(runs: list[dict], name: str) -> dict[str, list[float]]:
+        found: dict[str, list[float]] = {}
+        for run in runs:
+            for row in run["rows"]:
+                if us := us_of(row, name):
+                    found.setdefault(row["label"], []).append(us)
+        return found
+
+    lines, ours, theirs = (
+        ["| cell | base us | new us | base / new | fa4 (base runs / new runs) |", "|---|---|---|---|---|"],
+        [],
+        [],
+    )
+    base, new = times(base_runs, "fa4gen"), times(new_runs, "fa4gen")
+    base_fa4, new_fa4 = times(base_runs, "fa4"), times(new_runs, "fa4")
+    for label in [label for label in base if label in new]:
+        ratio = geomean(base[label]) / geomean(new[label])
+        peer = geomean(base_fa4[label]) / geomean(new_fa4[label]) if label in base_fa4 and label in new_fa4 else None
+        ours.append(ratio)
+        theirs += [peer] if peer else []
+        us = f"{geomean(base[label]):.1f} | {geomean(new[label]):.1f}"
+        lines.append(f"| {label} | {us} | {ratio:.3f}x | {_cell(peer, '.3f')} |")
+    if ours:
+        spread = f"min {min(ours):.3f}x, max {max(ours):.3f}x"
+        lines.append(f"\n- new vs base: {spread}, geometric mean {geomean(ours):.3f}x over {len(ours)} cells")
+    if theirs:
+        lines.append(f"- flash-attn-4 between the same runs: geometric mean {geomean(theirs):.3f}x")
+    return lines
+
+
+def compare(args) -> None:
+    """base.json new.json [new2.json base2.json]: the runs alternate base, new, new, base."""
+    runs = [json.loads(Path(p).read_text()) for p in args.rows]
+    base, new = [runs[0], *runs[3:]], runs[1:3]
+    print("\n".join(compare_lines(base, new)))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("warm", "run", "report"))
-    parser.add_argument("rows", nargs="*", help="report: the rows files runs wrote (--out)")
+    parser.add_argument("mode", choices=("warm", "run", "report", "compare"))
+    parser.add_argument("rows", nargs="*", help="report, compare: the rows files runs wrote (--out)")
     parser.add_argument("--grid", choices=("full", "quick"), default="quick")
     parser.add_argument("--match", default="", help="only cells whose label contains one of these words (a,b)")
     parser.add_argument("--part", default="1/1", help="run: every k-th cell from the i-th (i/k)")
@@ -556,7 +599,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "report" and not args.rows:
         parser.error("report needs the rows file(s) a run wrote")
-    {"warm": warm, "run": run, "report": report}[args.mode](args)
+    if args.mode == "compare" and len(args.rows) not in (2, 4):
+        parser.error("compare needs base.json new.json, or base, new, new, base")
+    {"warm": warm, "run": run, "report": report, "compare": compare}[args.mode](args)
 
 
 if __name__ == "__main__":

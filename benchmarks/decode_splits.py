@@ -31,6 +31,12 @@ CELLS = [
     decode.Cell(8, 1, 4096, 4),
     decode.Cell(1, 4, 32768, 8),
     decode.Cell(8, 16, 1024, 8),
+    # 64 packed rows and more (compute-bound steps): do two CTAs per SM pay for their merge?
+    decode.Cell(1, 16, 1024, 4),
+    decode.Cell(8, 16, 1024, 4),
+    decode.Cell(8, 16, 4096, 4),
+    decode.Cell(8, 4, 4096, 4),
+    decode.Cell(8, 16, 4096, 8),
 ]
 COUNTS = (1, 2, 4, 8, 16, 24, 33, 48, 66, 96, 128)
 

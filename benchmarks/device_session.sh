@@ -11,7 +11,9 @@
 #
 # PARTS, comma-separated: tests (the GPU tests, gpu.log), decodetests (tests/test_gpu_decode.py only,
 # decode-tests.log), decode (benchmarks/decode.py: DECODE_GRID quick or full, DECODE_MATCH,
-# DECODE_PART i/k; decode.json and decode.txt), grid (the speed grid,
+# DECODE_PART i/k; decode.json and decode.txt), decodeab (those decode cells timed by a base tree and
+# this one in the order base, new, new, base: DECODE_BASE names a folder holding the base tree's
+# fa4gen/, templates/ and its kernels/; decodeab-*.json, compared), grid (the speed grid,
 # grid-1.json and grid-2.json for `python benchmarks/run.py report`, ~300 s), variants
 # (variants.json, ~60 s), profile (Nsight Compute counters of cells, fa4gen beside flash-attn-4:
 # PROFILE holds benchmarks/ncu_counters.py's arguments, cells separated by ';', profile.txt), schedule
@@ -74,6 +76,22 @@ run() {
         python3 benchmarks/decode.py run --grid "${DECODE_GRID:-quick}" --match "${DECODE_MATCH:-}" \
             --part "${DECODE_PART:-1/1}" --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 || true
         python3 benchmarks/decode.py report "$OUT/decode.json" | tail -n 8
+    fi
+    if [[ $parts == *,decodeab,* ]]; then
+        local base="${DECODE_BASE:?DECODE_BASE: a folder holding a base tree fa4gen/, templates/ and kernels/}" i=0 side
+        local cells=(--grid "${DECODE_GRID:-quick}" --match "${DECODE_MATCH:-}")
+        for side in base new new base; do
+            i=$((i + 1))
+            if [ "$side" = base ]; then  # the base tree's fa4gen first on the path, with its own cache
+                PYTHONPATH="$PWD/$base:$PYTHONPATH" FA4GEN_CACHE_DIR="$PWD/$base/kernels" python3 benchmarks/decode.py \
+                    run "${cells[@]}" --out "$OUT/decodeab-$i-$side.json" > "$OUT/decodeab-$i-$side.txt" 2>&1 || true
+            else
+                python3 benchmarks/decode.py run "${cells[@]}" --out "$OUT/decodeab-$i-$side.json" \
+                    > "$OUT/decodeab-$i-$side.txt" 2>&1 || true
+            fi
+        done
+        python3 benchmarks/decode.py compare "$OUT"/decodeab-{1-base,2-new,3-new,4-base}.json > "$OUT/decodeab.md" || true
+        tail -n 3 "$OUT/decodeab.md"
     fi
     if [[ $parts == *,schedule,* ]]; then
         python3 benchmarks/schedule_options.py run "${seqlens:?SEQLENS}" "${labels:?LABELS}" > "$OUT/schedule.txt" 2>&1

@@ -198,3 +198,30 @@ def test_report_reads_rows_files(tmp_path, capsys):
     assert out.startswith("Measured 2026-01-01 on H200")
     assert "| decode | 64 | 1 | 4096 | 4 | contiguous |" in out
     assert "- decode cells with >= 1 GB of K/V reaching >= 85% of HBM (4.8 TB/s): 2 of 4" in out
+
+
+def test_compare_pairs_base_and_new_runs_in_abba_order(tmp_path, capsys):
+    import json
+
+    cell, other = Cell(8, 16, 4096, 8), Cell(1, 1, 1024, 4)
+
+    def run(ours: float, theirs: float) -> dict:
+        rows = [_row(cell, fa4gen=ours, fa4=theirs), _row(other, fa4gen=2 * ours, fa4="RuntimeError: x")]
+        return {"environment": {}, "rows": rows}
+
+    # base, new, new, base: fa4gen 1.5x faster in the new runs, fa4 the same in all four
+    runs = [run(60.0, 50.0), run(40.0, 50.0), run(40.0, 50.0), run(60.0, 50.0)]
+    paths = []
+    for i, found in enumerate(runs):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(found))
+    decode.main(["compare", *map(str, paths)])
+    out = capsys.readouterr().out
+    assert f"| {cell.label} | 60.0 | 40.0 | 1.500x | 1.000 |" in out
+    assert f"| {other.label} | 120.0 | 80.0 | 1.500x | - |" in out  # fa4 failed there: no ratio
+    assert "- new vs base: min 1.500x, max 1.500x, geometric mean 1.500x over 2 cells" in out
+    # in the other order the figure inverts: which runs are the base is positional
+    decode.main(["compare", str(paths[1]), str(paths[0])])
+    assert "geometric mean 0.667x over 2 cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        decode.main(["compare", str(paths[0]), str(paths[1]), str(paths[2])])

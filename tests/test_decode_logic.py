@@ -138,7 +138,10 @@ def test_page_walk_reads_each_key_from_its_page(name, wide, page_size):
     "sizes, expected",
     [
         ((1, 8, 1, 32768, 4, 64, 64, 132), 16),  # Llama-3-8B decode at batch 1: one CTA per SM
-        ((8, 8, 1, 32768, 4, 64, 64, 132), 2),
+        ((8, 8, 1, 32768, 4, 64, 64, 132), 2),  # half the SMs, long runs: HBM-bound, split
+        ((8, 8, 1, 4096, 4, 64, 64, 132), 1),  # half the SMs, 64 key tiles: the merge costs more
+        ((8, 8, 16, 1024, 4, 64, 64, 132), 1),
+        ((4, 8, 1, 4096, 4, 64, 64, 132), 4),  # a quarter of the SMs: split
         ((64, 8, 1, 4096, 4, 64, 64, 132), 1),  # the launch fills the SMs already
         ((1, 8, 1, 1024, 4, 64, 64, 132), 4),  # short caches: at least 4 key tiles per split
         ((1, 1, 1, 10**7, 1, 64, 64, 132), MAX_SPLITS),

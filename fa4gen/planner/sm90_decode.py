@@ -16,12 +16,14 @@ from fa4gen.planner.sm90_tables import (
     DECODE_MAX_ROWS_MHA,
     DECODE_PAIR_REGISTERS,
     RESCALE_THRESHOLD_LOG2,
+    SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM,
     SM90_DECODE_REGISTER_SPLIT,
     SM90_DECODE_TILES,
     SM90_DECODE_WIDE_REGISTER_SPLIT,
     SM90_DECODE_WIDE_TILES,
     SM90_PAGED_PRODUCER_REGS,
     SM90_PAGED_WIDE_REGISTER_SPLIT,
+    SM90_PAGED_WIDE_TILES,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -79,7 +81,10 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
         raise ValueError(problem)
     variant = {name: value for name, value in variant_fields(spec).items() if name in VARIANT_FIELDS}
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
-    row = next(r for r in (SM90_DECODE_WIDE_TILES if wide else SM90_DECODE_TILES) if max(dqk, dv) <= r.max_head_dim)
+    table = SM90_DECODE_TILES
+    if wide:
+        table = SM90_PAGED_WIDE_TILES if paged else SM90_DECODE_WIDE_TILES
+    row = next(r for r in table if max(dqk, dv) <= r.max_head_dim)
     producer_regs, consumer_regs = SM90_DECODE_WIDE_REGISTER_SPLIT if wide else SM90_DECODE_REGISTER_SPLIT
     if paged and wide:
         producer_regs, consumer_regs = SM90_PAGED_WIDE_REGISTER_SPLIT
@@ -96,6 +101,7 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
         paged=paged,
         ctas_per_sm=row.ctas_per_sm,
         consumer_warpgroups=2 if wide else 1,
+        q_in_registers=dqk <= SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM,
         rescale_threshold=RESCALE_THRESHOLD_LOG2,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
@@ -120,6 +126,12 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
             "paged": PAGED_REASON if paged else "K/V contiguous per batch entry, one TMA box per key tile",
             "ctas_per_sm": row.reason,
             "consumer_warpgroups": WIDE_REASON if wide else f"one consumer warpgroup: {WGMMA_M} packed rows per tile",
+            "q_in_registers": (
+                f"head_dim {dqk} <= {SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM}: Q.K^T reads Q from registers and only K "
+                "from shared memory, whose bandwidth bounds the steps of long groups (decision decode-q-registers)"
+                if dqk <= SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM
+                else f"head_dim {dqk}: Q in shared memory (its registers would not fit beside O, S and P)"
+            ),
             "rescale_threshold": "O rescaled only where a row max grows past 2^8, as in the forward",
             "producer_regs": regs,
             "consumer_regs": regs,

@@ -301,9 +301,19 @@ SM90_DECODE_TILES = (
 # the SM, its ring as many bytes in flight as the two CTAs of the rows above (d <= 128).
 SM90_DECODE_WIDE_TILES = (
     DecodeTileRow(64, 128, 5, 1, "128 packed rows, d <= 64: 128 keys, 5 stages of 32 KB, one CTA per SM"),
-    DecodeTileRow(128, 64, 6, 1, "128 packed rows, d <= 128: 64 keys, 6 stages of 32 KB, one CTA per SM"),
+    DecodeTileRow(128, 128, 3, 1, "128 packed rows, d <= 128: 128 keys, 3 stages of 64 KB, one CTA per SM"),
     DecodeTileRow(256, 32, 4, 1, "128 packed rows, d > 128: 32 keys, 4 stages of up to 32 KB (Q takes 64 KB)"),
 )
+# Paged, 128 rows: a paged consumer has 232 registers (the producer walks the page table with 40),
+# where 128-key steps spill; 64 keys in a deeper ring instead.
+SM90_PAGED_WIDE_TILES = (
+    SM90_DECODE_WIDE_TILES[0],
+    DecodeTileRow(128, 64, 6, 1, "paged, 128 packed rows, d <= 128: 64 keys, 6 stages of 32 KB, one CTA per SM"),
+    SM90_DECODE_WIDE_TILES[2],
+)
+# Q.K^T's A operand from registers up to this head dim (Q's 64 x d bf16: d / 4 registers per thread
+# beside O, S and P); past it Q stays in shared memory (d256: 64 registers more would not fit).
+SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM = 192
 SM90_DECODE_WIDE_REGISTER_SPLIT = (24, 240)  # producer, each consumer: the forward's 2-warpgroup split
 # producer, consumer warpgroup: the producer only issues TMA; 256 registers per thread pair fit
 # two CTAs of 256 threads per SM

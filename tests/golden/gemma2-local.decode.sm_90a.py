@@ -54,6 +54,7 @@ CONFIG = Sm90DecodeConfig(
     paged=False,
     ctas_per_sm=1,
     consumer_warpgroups=1,
+    q_in_registers=False,
     rescale_threshold=8.0,
     producer_regs=24,
     consumer_regs=232,

@@ -44,6 +44,7 @@ CONFIG = Sm90DecodeConfig(
     paged=False,
     ctas_per_sm=1,
     consumer_warpgroups=2,
+    q_in_registers=True,
     rescale_threshold=8.0,
     producer_regs=24,
     consumer_regs=240,

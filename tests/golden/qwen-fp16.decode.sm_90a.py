@@ -42,6 +42,7 @@ CONFIG = Sm90DecodeConfig(
     paged=False,
     ctas_per_sm=2,
     consumer_warpgroups=1,
+    q_in_registers=True,
     rescale_threshold=8.0,
     producer_regs=24,
     consumer_regs=232,

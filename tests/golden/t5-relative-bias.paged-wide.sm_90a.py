@@ -55,6 +55,7 @@ CONFIG = Sm90DecodeConfig(
     paged=True,
     ctas_per_sm=1,
     consumer_warpgroups=2,
+    q_in_registers=True,
     rescale_threshold=8.0,
     producer_regs=40,
     consumer_regs=232,

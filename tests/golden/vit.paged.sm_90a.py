@@ -40,6 +40,7 @@ CONFIG = Sm90DecodeConfig(
     paged=True,
     ctas_per_sm=2,
     consumer_warpgroups=1,
+    q_in_registers=True,
     rescale_threshold=8.0,
     producer_regs=32,
     consumer_regs=224,

@@ -7,9 +7,10 @@ per query head would read the group's K/V G times. Warpgroup 0's first warp load
 into a ring; each consumer warpgroup (one, or two where the planner gives the tile 128 rows: a
 long group's rows then share each K/V tile too) owns 64 rows and loads their Q itself (the
 addresses follow the packing, not one TMA box), then per key tile: S = Q.K^T (wgmma), score
-modifier, mask, online softmax, O += P.V with P from registers. Decode is bound by the K/V
-bytes, so the steps do not overlap their MMAs with the softmax as the forward does: the ring
-keeps the loads streaming meanwhile.
+modifier, mask, online softmax, O += P.V with P from registers. As in the forward (FA3's
+intra-warpgroup overlap), S(n) = Q.K^T is issued with O += P(n-1).V(n-1) and the softmax of S(n)
+runs while the tensor cores finish that P.V: a long group's 128 rows at short caches, and chunked
+prefill, are bound by the MMAs and the softmax, not by the K/V bytes the ring streams.
 
 Each batch entry's keys end at its own cache length (``seqused_k``, at most the cache's Sk):
 masks and score modifiers see that length as Sk, and query row i sits at key position
@@ -29,7 +30,8 @@ the current tile's boxes issue, and clamp every entry into the pool.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -68,6 +70,29 @@ def pack_query_heads(t: cute.Tensor, group: int, seq: int, head: int, order: tup
         stride=((stride[head], stride[seq]), *(step for _, step in rest)),
     )
     return cute.make_tensor(t.iterator, layout)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A consumer warpgroup's MMAs and fragments for its key tiles (made once, before the loop)."""
+
+    qk_mma: Any  # S = Q.K^T, its first K block (accumulate off) and the rest
+    qk_acc: Any
+    thr_qk: Any  # this thread's slice of qk_mma
+    s_shape: tuple  # (rows, keys) of S
+    pv_mma: Any  # O += P.V, P from registers
+    tSrQ: Any
+    tSrK: Any
+    tOrV: Any
+    p: Any  # the previous key tile's P, the A operand of the P.V in flight
+    acc_o: Any
+    coords: Any  # (row, column) of each S element of this thread
+    wtidx: Any
+    wg: Any
+
+    def fresh_scores(self):
+        """An fp32 S fragment for the next key tile."""
+        return self.thr_qk.make_fragment_C(self.thr_qk.partition_shape_C(self.s_shape))
 
 
 class HopperAttentionDecode(DecodeSplitMerge):
@@ -112,6 +137,7 @@ class HopperAttentionDecode(DecodeSplitMerge):
         self.dtype = mQ.element_type
         G = self.group
         sQ_layout, sK_layout, sV_layout = self._smem_layouts()
+        q_elems = VECTOR if self.cfg.q_in_registers else cute.cosize(sQ_layout)  # (a placeholder in registers)
         (tma_k, tma_k_t), (tma_v, tma_v_t) = self._tma_atoms(mK, mV, sK_layout, sV_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
@@ -122,7 +148,7 @@ class HopperAttentionDecode(DecodeSplitMerge):
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             last: cute.struct.MemRange[Int32, self.warpgroups]  # per consumer: whether it counted in last
             stats: cute.struct.MemRange[Float32, 2 * WGMMA_M * self.warpgroups]  # the merge's row max, 1 / sum
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
 
@@ -231,7 +257,9 @@ class HopperAttentionDecode(DecodeSplitMerge):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQ = None
+        if cutlass.const_expr(not self.cfg.q_in_registers):
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         pipe_k = tma_pipeline(storage.bar_k.data_ptr(), self.kv_stages, self.k_bytes, self.warpgroups)
@@ -260,7 +288,8 @@ class HopperAttentionDecode(DecodeSplitMerge):
             splits = (mOPart, mLSEPart, mCounters, last, stats, num_splits)
             # from here on the warpgroup's 64 rows are its query tile: m_block counts 64-row tiles
             rows = (work[0] * self.warpgroups + wg, *work[1:])
-            self.consume(mQ, mO, mLSE, sQ[None, None, wg], sK, sV, pipe_k, pipe_v, rows, splits, wg, args)
+            sQ_wg = None if cutlass.const_expr(self.cfg.q_in_registers) else sQ[None, None, wg]
+            self.consume(mQ, mO, mLSE, sQ_wg, sK, sV, pipe_k, pipe_v, rows, splits, wg, args)
 
     @cute.jit
     def work_of(self, mSeqUsedK, capacity: Int32, num_splits: Int32, seqlen_q: Int32, args):
@@ -381,6 +410,25 @@ class HopperAttentionDecode(DecodeSplitMerge):
         self.sync(wg, async_reads=True)
 
     @cute.jit
+    def q_fragment(self, mQ, thr_qk, m_block: Int32, kv_head: Int32, batch: Int32, seqlen_q: Int32):
+        """The warpgroup's 64 packed Q rows as Q.K^T's A operand in registers, loaded from global
+        memory once (each element where the MMA wants it): Q.K^T then reads only K from shared
+        memory, whose bandwidth the 64-key steps of long groups and chunked prefill ran into.
+        Rows past the group's Sq x G and columns past the head dim are zero."""
+        gQ = mQ[None, None, kv_head, batch]  # ((G, Sq), D)
+        rows = seqlen_q * self.group
+        q = cute.make_rmem_tensor(thr_qk.partition_shape_A((WGMMA_M, self.dqk)), self.dtype)
+        where = thr_qk.partition_A(cute.make_identity_tensor((WGMMA_M, self.dqk)))
+        for i in cutlass.range_constexpr(cute.size(q)):
+            row, col = where[i]
+            packed = m_block * WGMMA_M + row
+            value = self.dtype(0.0)
+            if packed < rows and col < self.cfg.head_dim:
+                value = gQ[packed, col]
+            q[i] = value
+        return q
+
+    @cute.jit
     def sync(self, wg, async_reads: bool):
         """Barrier of consumer warpgroup ``wg`` (its own id: two consumers never mix), ordering its
         shared-memory stores before the MMAs that read them where ``async_reads``."""
@@ -395,12 +443,16 @@ class HopperAttentionDecode(DecodeSplitMerge):
         ``last`` word in shared memory and the split count)."""
         m_block, split, kv_head, batch, seqlen_q, length, lo, count, split_lo, split_hi = work
         wtidx = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
-        self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx, wg)
-        qk_mma = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, False)
-        qk_acc = self._mma(self.tile_n, OperandMajorMode.K, warpgroup.OperandSource.SMEM, True)
+        q_source = warpgroup.OperandSource.RMEM if self.cfg.q_in_registers else warpgroup.OperandSource.SMEM
+        qk_mma = self._mma(self.tile_n, OperandMajorMode.K, q_source, False)
+        qk_acc = self._mma(self.tile_n, OperandMajorMode.K, q_source, True)
         pv_mma = self._mma(self.dv, OperandMajorMode.MN, warpgroup.OperandSource.RMEM, True)
         thr_qk, thr_pv = qk_mma.get_slice(wtidx), pv_mma.get_slice(wtidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        if cutlass.const_expr(self.cfg.q_in_registers):
+            tSrQ = self.q_fragment(mQ, thr_qk, m_block, kv_head, batch, seqlen_q)
+        else:
+            self.load_q(mQ, sQ, m_block, kv_head, batch, seqlen_q, wtidx, wg)
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         coords = rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, self.tile_n))))
@@ -412,41 +464,95 @@ class HopperAttentionDecode(DecodeSplitMerge):
         queries, heads, starts, ends = self.row_positions(coords, m_block, kv_head, batch, seqlen_q, length, args)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        for i in cutlass.range(count, unroll=1):
-            n_block = lo + i
-            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
-            pipe_k.consumer_wait(k_state)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                mma = qk_mma if kb == 0 else qk_acc
-                cute.gemm(mma, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, k_state.index], acc_s)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(k_state)
-            scores = rows_cols_view(acc_s)
-            self.scores_of_tile(
-                scores, coords, n_block, queries, heads, starts, ends, batch, seqlen_q, length, split_lo, split_hi, args
+        step = DecodeStep(
+            qk_mma, qk_acc, thr_qk, (WGMMA_M, self.tile_n), pv_mma, tSrQ, tSrK, tOrV, p, acc_o, coords, wtidx, wg
+        )
+        rows = (queries, heads, starts, ends, batch, seqlen_q, length, split_lo, split_hi)
+        if count > 0:
+            k_state = self.first_scores(step, pipe_k, k_state, lo, rows, row_max, row_sum, args)
+        for i in cutlass.range(1, count, unroll=1):
+            k_state, v_state = self.overlapped_step(
+                step, pipe_k, pipe_v, k_state, v_state, lo + i, rows, row_max, row_sum, args
             )
-            correction = self.softmax.update(scores, row_max, row_sum)
-            # (with a rescale threshold the conversions stay above the rescale's branch: mainloop.store_p)
-            store_as_operand_a(acc_s, p, self.softmax.rescale_threshold > 0.0)
-            self.softmax.rescale(rows_cols_view(acc_o), correction)
-            pipe_v.consumer_wait(v_state)
-            if (n_block + 1) * self.tile_n > length:  # the tile holding the cache's last key
-                self.clear_keys_from(sV[None, None, v_state.index], length - n_block * self.tile_n, wtidx, wg)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
-                cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_state.index], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(v_state)
-            k_state.advance()
-            v_state.advance()
+        if count > 0:
+            self.last_product(step, sV, pipe_v, v_state, lo + count - 1, length)
         o_coords = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((WGMMA_M, self.dv))))
         if cutlass.const_expr(self.warpgroups == 1):
             self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, wg, args)
         elif m_block * WGMMA_M < seqlen_q * self.group:  # a 128-row tile's second half may hold no row
             self.store(acc_o, o_coords, row_max, row_sum, heads, mO, mLSE, work, splits, wtidx, wg, args)
+
+    @cute.jit
+    def first_scores(self, step, pipe_k, k_state, n_block: Int32, rows: tuple, row_max, row_sum, args):
+        """The run's first key tile up to its P (O is still zero: nothing to rescale)."""
+        acc_s = step.fresh_scores()
+        pipe_k.consumer_wait(k_state)
+        warpgroup.fence()
+        self.issue_qk(step, acc_s, k_state.index)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(k_state)
+        self.probabilities(step, acc_s, n_block, rows, row_max, row_sum, args)
+        store_as_operand_a(acc_s, step.p, self.softmax.rescale_threshold > 0.0)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def overlapped_step(
+        self, step, pipe_k, pipe_v, k_state, v_state, n_block: Int32, rows: tuple, row_max, row_sum, args
+    ):
+        """S(n) = Q.K^T issued with O += P(n-1).V(n-1): the softmax of S(n) runs while the tensor
+        cores finish P.V (the compute-bound steps of long groups and chunked prefill); then O is
+        corrected and S(n) becomes the next P."""
+        acc_s = step.fresh_scores()
+        pipe_k.consumer_wait(k_state)
+        pipe_v.consumer_wait(v_state)
+        warpgroup.fence()
+        self.issue_qk(step, acc_s, k_state.index)
+        self.issue_pv(step, v_state.index)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(k_state)
+        correction = self.probabilities(step, acc_s, n_block, rows, row_max, row_sum, args)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        # (with a rescale threshold the conversions stay above the rescale's branch: mainloop.store_p)
+        store_as_operand_a(acc_s, step.p, self.softmax.rescale_threshold > 0.0)
+        self.softmax.rescale(rows_cols_view(step.acc_o), correction)
+        k_state.advance()
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def last_product(self, step, sV, pipe_v, v_state, n_block: Int32, length: Int32):
+        """The run's last P.V, after clearing the V rows past the cache length where its tile
+        holds the cache's last key."""
+        pipe_v.consumer_wait(v_state)
+        if (n_block + 1) * self.tile_n > length:
+            self.clear_keys_from(sV[None, None, v_state.index], length - n_block * self.tile_n, step.wtidx, step.wg)
+        warpgroup.fence()
+        self.issue_pv(step, v_state.index)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+
+    @cute.jit
+    def issue_qk(self, step, acc_s, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(step.tSrQ, mode=[2])):
+            mma = step.qk_mma if kb == 0 else step.qk_acc
+            cute.gemm(mma, acc_s, step.tSrQ[None, None, kb], step.tSrK[None, None, kb, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, step, stage: Int32):
+        for kb in cutlass.range_constexpr(cute.size(step.p, mode=[2])):
+            cute.gemm(step.pv_mma, step.acc_o, step.p[None, None, kb], step.tOrV[None, None, kb, stage], step.acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def probabilities(self, step, acc_s, n_block: Int32, rows: tuple, row_max, row_sum, args):
+        """Key tile ``n_block``'s scores modified, masked and exponentiated in place; returns O's
+        row corrections."""
+        scores = rows_cols_view(acc_s)
+        self.scores_of_tile(scores, step.coords, n_block, rows, args)
+        return self.softmax.update(scores, row_max, row_sum)
 
     @cute.jit
     def clear_keys_from(self, sVt, first: Int32, wtidx: Int32, wg):
@@ -478,24 +584,12 @@ class HopperAttentionDecode(DecodeSplitMerge):
         return queries, heads, starts, ends
 
     @cute.jit
-    def scores_of_tile(
-        self,
-        scores,
-        coords,
-        n_block: Int32,
-        queries,
-        heads,
-        starts,
-        ends,
-        batch,
-        seqlen_q,
-        length,
-        split_lo,
-        split_hi,
-        args,
-    ):
+    def scores_of_tile(self, scores, coords, n_block: Int32, rows: tuple, args):
         """Score modifier and masks of key tile ``n_block`` (the ragged end of the cache length
-        and any bound crossing the tile; an expression mask on every tile)."""
+        and any bound crossing the tile; an expression mask on every tile). ``rows``: the thread's
+        rows' query indices, heads and key ranges, then batch, Sq, the cache length, split_lo and
+        split_hi."""
+        queries, heads, starts, ends, batch, seqlen_q, length, split_lo, split_hi = rows
         col_base = n_block * self.tile_n
         if cutlass.const_expr(self.score_mod is not None):
             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):

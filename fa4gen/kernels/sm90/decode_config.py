@@ -23,6 +23,8 @@ from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M, Arch
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
+UNSPLIT_FILL = 0.45  # a launch of this share of the slots in CTAs runs unsplit ...
+LONG_RUN_TILES = 128  # ... unless each CTA's run has at least this many key tiles
 PAGE_BOX = 16  # keys per TMA box of a paged cache: the smallest page size (vLLM's default)
 
 
@@ -51,6 +53,7 @@ class Sm90DecodeConfig(BaseModel):
     paged: bool  # K/V from a pool of pages through a page table, PAGE_BOX keys per TMA box
     ctas_per_sm: int  # CTAs one SM holds at once (shared memory and registers split between them)
     consumer_warpgroups: int  # 64 packed rows each, sharing every K/V tile the CTA loads
+    q_in_registers: bool  # Q.K^T takes Q from registers (read once from global), not shared memory
     rescale_threshold: float  # log2 growth of a row max before O is rescaled (0: every tile)
     producer_regs: int
     consumer_regs: int
@@ -62,8 +65,8 @@ class Sm90DecodeConfig(BaseModel):
 
 
 def decode_smem_bytes(c: Sm90DecodeConfig) -> int:
-    """Q (the tile's packed rows) + the K/V ring."""
-    q = c.tile_m * c.head_dim_padded
+    """Q (the tile's packed rows, unless held in registers) + the K/V ring."""
+    q = 0 if c.q_in_registers else c.tile_m * c.head_dim_padded
     kv = c.kv_stages * c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     return (q + kv) * ELEMENT_BYTES + SMEM_RESERVE_BYTES
 
@@ -110,10 +113,13 @@ def decode_splits(
     ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
     slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
-    launch already fills the slots."""
+    launch already fills most slots, or half of them with runs shorter than LONG_RUN_TILES (two
+    splits then cost their partials and merge and gain little: one split beat two at 64 CTAs on
+    132 SMs in 6 of 7 cells of at most 64 key tiles, decision decode-kernel; longer runs are
+    bound by HBM, which half the SMs do not saturate)."""
     tiles = math.ceil(seqlen_q * qhead_per_kvhead / tile_m)  # packed query tiles per KV head
     ctas = max(batch * kv_heads * tiles, 1)
-    if ctas >= slots * 0.8:
-        return 1
     key_tiles = max(math.ceil(seqlen_k / tile_n), 1)
+    if ctas >= slots * 0.8 or (ctas >= slots * UNSPLIT_FILL and key_tiles < LONG_RUN_TILES):
+        return 1
     return max(1, min(slots // ctas, key_tiles // 4, MAX_SPLITS))
