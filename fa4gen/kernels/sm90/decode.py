@@ -52,6 +52,7 @@ from fa4gen.kernels.sm90.config import NamedBarrier
 from fa4gen.kernels.sm90.decode_config import PAGE_BOX, Sm90DecodeConfig, decode_config_problem
 from fa4gen.kernels.sm90.decode_merge import DecodeSplitMerge
 from fa4gen.kernels.sm90.producer import tma_pipeline
+from fa4gen.kernels.sm90.wgmma import issue_k_blocks
 
 SMEM_ALIGN = 1024
 VECTOR = 8  # 16-bit elements per 16 bytes (Q loads, V clears)
@@ -535,16 +536,11 @@ class HopperAttentionDecode(DecodeSplitMerge):
 
     @cute.jit
     def issue_qk(self, step, acc_s, stage: Int32):
-        for kb in cutlass.range_constexpr(cute.size(step.tSrQ, mode=[2])):
-            mma = step.qk_mma if kb == 0 else step.qk_acc
-            cute.gemm(mma, acc_s, step.tSrQ[None, None, kb], step.tSrK[None, None, kb, stage], acc_s)
-        warpgroup.commit_group()
+        issue_k_blocks(step.qk_mma, step.qk_acc, acc_s, step.tSrQ, step.tSrK, stage)
 
     @cute.jit
     def issue_pv(self, step, stage: Int32):
-        for kb in cutlass.range_constexpr(cute.size(step.p, mode=[2])):
-            cute.gemm(step.pv_mma, step.acc_o, step.p[None, None, kb], step.tOrV[None, None, kb, stage], step.acc_o)
-        warpgroup.commit_group()
+        issue_k_blocks(step.pv_mma, step.pv_mma, step.acc_o, step.p, step.tOrV, stage)
 
     @cute.jit
     def probabilities(self, step, acc_s, n_block: Int32, rows: tuple, row_max, row_sum, args):

@@ -34,6 +34,7 @@ from cutlass.cute.nvgpu import warpgroup
 from fa4gen.arch import WARPGROUP_THREADS
 from fa4gen.kernels.common.layout import convert_p, rows_cols_view, store_as_operand_a
 from fa4gen.kernels.sm90.config import NamedBarrier
+from fa4gen.kernels.sm90.wgmma import issue_k_blocks
 
 
 class Sm90MainLoop:
@@ -224,16 +225,11 @@ class Sm90MainLoop:
     # ------------------------------------------------------------------ MMAs
     @cute.jit
     def issue_qk(self, loop, acc_s: cute.Tensor, stage: Int32):
-        for kb in cutlass.range_constexpr(cute.size(loop.tSrQ, mode=[2])):
-            mma = loop.qk_first if kb == 0 else loop.qk_rest
-            cute.gemm(mma, acc_s, loop.tSrQ[None, None, kb], loop.tSrK[None, None, kb, stage], acc_s)
-        warpgroup.commit_group()
+        issue_k_blocks(loop.qk_first, loop.qk_rest, acc_s, loop.tSrQ, loop.tSrK, stage)
 
     @cute.jit
     def issue_pv(self, loop, stage: Int32):
-        for kb in cutlass.range_constexpr(cute.size(loop.p, mode=[2])):
-            cute.gemm(loop.pv, loop.acc_o, loop.p[None, None, kb], loop.tOrV[None, None, kb, stage], loop.acc_o)
-        warpgroup.commit_group()
+        issue_k_blocks(loop.pv, loop.pv, loop.acc_o, loop.p, loop.tOrV, stage)
 
     @cute.jit
     def scores_to_probs(self, loop, tile, acc_s: cute.Tensor, n_block: Int32, masked, check_start=None):
