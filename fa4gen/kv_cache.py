@@ -158,7 +158,9 @@ def decode_arguments(plan: Plan, q, k, seqused_k, page_table, slots: int) -> tup
     capacity = cache_capacity(k, page_table)
     if seqused_k is None:
         seqused_k = full_cache_lengths(batch, capacity, q.device)
-    splits = decode_splits(batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_m, c.tile_n, slots)
+    splits = decode_splits(
+        batch, k.shape[2], seqlen_q, capacity, c.qhead_per_kvhead, c.tile_m, c.tile_n, slots, c.paged
+    )
     o_part, lse_part = decode_partials(splits, (batch, seqlen_q, heads_q, c.head_dim_v), q.device)
     tiles = counter_tiles(seqlen_q, c.qhead_per_kvhead)
     counters = split_counters((batch, k.shape[2], tiles) if splits > 1 else (1, 1, 1), q.device)

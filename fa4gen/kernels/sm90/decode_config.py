@@ -108,18 +108,20 @@ def decode_splits(
     tile_m: int,
     tile_n: int,
     slots: int,
+    paged: bool = False,
 ) -> int:
     """How many CTAs share the keys of one (batch, KV head, query tile): enough to fill the
     ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
     slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
-    launch already fills most slots, or half of them with runs shorter than LONG_RUN_TILES (two
-    splits then cost their partials and merge and gain little: one split beat two at 64 CTAs on
-    132 SMs in 6 of 7 cells of at most 64 key tiles, decision decode-kernel; longer runs are
-    bound by HBM, which half the SMs do not saturate)."""
+    launch already fills most slots, or, over a contiguous cache, half of them with runs shorter
+    than LONG_RUN_TILES (two splits then cost their partials and merge and gain little: one split
+    beat two at 64 CTAs on 132 SMs in 6 of 7 cells of at most 64 key tiles, decision
+    decode-q-registers; longer runs are bound by HBM, which half the SMs do not saturate, and so
+    is a paged run, whose 16-key boxes keep fewer bytes in flight per CTA)."""
     tiles = math.ceil(seqlen_q * qhead_per_kvhead / tile_m)  # packed query tiles per KV head
     ctas = max(batch * kv_heads * tiles, 1)
     key_tiles = max(math.ceil(seqlen_k / tile_n), 1)
-    if ctas >= slots * 0.8 or (ctas >= slots * UNSPLIT_FILL and key_tiles < LONG_RUN_TILES):
+    if ctas >= slots * 0.8 or (not paged and ctas >= slots * UNSPLIT_FILL and key_tiles < LONG_RUN_TILES):
         return 1
     return max(1, min(slots // ctas, key_tiles // 4, MAX_SPLITS))
