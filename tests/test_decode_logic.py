@@ -142,7 +142,8 @@ def test_page_walk_reads_each_key_from_its_page(name, wide, page_size):
         ((8, 8, 1, 4096, 4, 64, 64, 132), 1),  # half the SMs, 64 key tiles: the merge costs more
         ((8, 8, 16, 1024, 4, 64, 64, 132), 1),
         ((4, 8, 1, 4096, 4, 64, 64, 132), 4),  # a quarter of the SMs: split
-        ((8, 8, 1, 4096, 4, 64, 64, 132, True), 2),  # paged: its boxes need every SM's loads
+        ((8, 8, 1, 4096, 4, 64, 64, 132, True), 2),  # paged: at 64 key tiles its boxes need every SM
+        ((8, 8, 1, 1024, 4, 64, 64, 132, True), 1),  # ... at 16 not
         ((64, 8, 1, 4096, 4, 64, 64, 132, True), 1),
         ((64, 8, 1, 4096, 4, 64, 64, 132), 1),  # the launch fills the SMs already
         ((1, 8, 1, 1024, 4, 64, 64, 132), 4),  # short caches: at least 4 key tiles per split

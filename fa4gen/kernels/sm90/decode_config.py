@@ -25,6 +25,7 @@ from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent
 MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
 UNSPLIT_FILL = 0.45  # a launch of this share of the slots in CTAs runs unsplit ...
 LONG_RUN_TILES = 128  # ... unless each CTA's run has at least this many key tiles
+PAGED_LONG_RUN_TILES = 32  # (paged: between the 16 measured unsplit-faster and the 64 split-faster)
 PAGE_BOX = 16  # keys per TMA box of a paged cache: the smallest page size (vLLM's default)
 
 
@@ -114,14 +115,16 @@ def decode_splits(
     ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
     slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
     runs pay more for their prologue, epilogue and partial than they save), and one where the
-    launch already fills most slots, or, over a contiguous cache, half of them with runs shorter
-    than LONG_RUN_TILES (two splits then cost their partials and merge and gain little: one split
-    beat two at 64 CTAs on 132 SMs in 6 of 7 cells of at most 64 key tiles, decision
-    decode-q-registers; longer runs are bound by HBM, which half the SMs do not saturate, and so
-    is a paged run, whose 16-key boxes keep fewer bytes in flight per CTA)."""
+    launch already fills most slots, or half of them with runs shorter than LONG_RUN_TILES
+    (PAGED_LONG_RUN_TILES over a paged cache): two splits then cost their partials and merge and
+    gain little (one split beat two at 64 CTAs on 132 SMs in 6 of 7 contiguous cells of at most 64
+    key tiles; paged, at 16 key tiles but not at 64, whose 16-key boxes keep fewer bytes in flight
+    per CTA: decision decode-q-registers), while longer runs are bound by HBM, which half the SMs
+    do not saturate."""
     tiles = math.ceil(seqlen_q * qhead_per_kvhead / tile_m)  # packed query tiles per KV head
     ctas = max(batch * kv_heads * tiles, 1)
     key_tiles = max(math.ceil(seqlen_k / tile_n), 1)
-    if ctas >= slots * 0.8 or (not paged and ctas >= slots * UNSPLIT_FILL and key_tiles < LONG_RUN_TILES):
+    long_run = PAGED_LONG_RUN_TILES if paged else LONG_RUN_TILES
+    if ctas >= slots * 0.8 or (ctas >= slots * UNSPLIT_FILL and key_tiles < long_run):
         return 1
     return max(1, min(slots // ctas, key_tiles // 4, MAX_SPLITS))
