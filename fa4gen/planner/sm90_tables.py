@@ -312,8 +312,9 @@ SM90_PAGED_WIDE_TILES = (
     SM90_DECODE_WIDE_TILES[2],
 )
 # Q.K^T's A operand from registers up to this head dim (Q's 64 x d bf16: d / 4 registers per thread
-# beside O, S and P); past it Q stays in shared memory (d256: 64 registers more would not fit).
-SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM = 192
+# beside O, S and P); past it Q stays in shared memory: at d192 ptxas serialized the 128-row
+# kernel's wgmma (one arrive per HGMMA), and d256's 64 registers more would not fit.
+SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM = 128
 SM90_DECODE_WIDE_REGISTER_SPLIT = (24, 240)  # producer, each consumer: the forward's 2-warpgroup split
 # producer, consumer warpgroup: the producer only issues TMA; 256 registers per thread pair fit
 # two CTAs of 256 threads per SM
