@@ -130,7 +130,8 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
                 f"head_dim {dqk} <= {SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM}: Q.K^T reads Q from registers and only K "
                 "from shared memory, whose bandwidth bounds the steps of long groups (decision decode-q-registers)"
                 if dqk <= SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM
-                else f"head_dim {dqk}: Q in shared memory (its registers would not fit beside O, S and P)"
+                else f"head_dim {dqk}: Q in shared memory (at d192 ptxas serialized the MMAs of Q from registers, "
+                "and at d256 they would not fit beside O, S and P)"
             ),
             "rescale_threshold": "O rescaled only where a row max grows past 2^8, as in the forward",
             "producer_regs": regs,

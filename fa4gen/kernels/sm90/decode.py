@@ -7,10 +7,11 @@ per query head would read the group's K/V G times. Warpgroup 0's first warp load
 into a ring; each consumer warpgroup (one, or two where the planner gives the tile 128 rows: a
 long group's rows then share each K/V tile too) owns 64 rows and loads their Q itself (the
 addresses follow the packing, not one TMA box), then per key tile: S = Q.K^T (wgmma), score
-modifier, mask, online softmax, O += P.V with P from registers. As in the forward (FA3's
-intra-warpgroup overlap), S(n) = Q.K^T is issued with O += P(n-1).V(n-1) and the softmax of S(n)
-runs while the tensor cores finish that P.V: a long group's 128 rows at short caches, and chunked
-prefill, are bound by the MMAs and the softmax, not by the K/V bytes the ring streams.
+modifier, mask, online softmax, O += P.V with P from registers. Q.K^T takes Q from registers up
+to d128 (``q_in_registers``), so a step reads only K and V from shared memory, whose bandwidth
+bounds a long group's steps and chunked prefill. S(n) = Q.K^T is issued with O += P(n-1).V(n-1),
+in the forward's order; ptxas places the P.V wait above the row max, so within a warpgroup the
+softmax still follows the P.V (decision decode-q-registers).
 
 Each batch entry's keys end at its own cache length (``seqused_k``, at most the cache's Sk):
 masks and score modifiers see that length as Sk, and query row i sits at key position
@@ -501,9 +502,8 @@ class HopperAttentionDecode(DecodeSplitMerge):
     def overlapped_step(
         self, step, pipe_k, pipe_v, k_state, v_state, n_block: Int32, rows: tuple, row_max, row_sum, args
     ):
-        """S(n) = Q.K^T issued with O += P(n-1).V(n-1): the softmax of S(n) runs while the tensor
-        cores finish P.V (the compute-bound steps of long groups and chunked prefill); then O is
-        corrected and S(n) becomes the next P."""
+        """S(n) = Q.K^T issued with O += P(n-1).V(n-1), the softmax of S(n) after both (ptxas
+        hoists the P.V wait above it); then O is corrected and S(n) becomes the next P."""
         acc_s = step.fresh_scores()
         pipe_k.consumer_wait(k_state)
         pipe_v.consumer_wait(v_state)
