@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 
 # Hopper warpgroup MMA (wgmma) facts the planner and the sm_90a kernels share
+WARP_THREADS = 32
 WARPGROUP_THREADS = 128  # 4 warps issue one wgmma together
 WGMMA_M = 64  # rows of one warpgroup MMA: a consumer warpgroup owns this many query rows
 MMA_K_GRANULE = 16  # K extent of one 16-bit wgmma; head dims are zero-padded (by TMA) to it

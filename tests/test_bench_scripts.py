@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,6 +182,21 @@ def test_first_call_arguments_and_job_order():
     quick_jobs = first_call.plan_jobs(quick.variants, quick.repeat, quick.both_repeat, quick.import_repeat)
     kinds = ["warmup", "import", "paid", "paid", "notpaid", "notpaid", "both", "both"]
     assert [job.kind for job in quick_jobs] == kinds
+
+
+def test_first_call_stops_the_background_builds_a_child_left_behind(tmp_path):
+    folder = tmp_path / "first_call-x"
+    job = '{"cache": "' + str(folder / "fa4gen-cache") + '"}'
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", job])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "elsewhere")])
+    try:
+        first_call.stop_builds_in(folder)
+        assert left.wait(timeout=5) == -9  # killed, and not left a zombie for the next timing
+        assert other.poll() is None  # a process naming another folder runs on
+    finally:
+        for process in (left, other):
+            process.kill()
+            process.wait()
 
 
 def test_first_call_variants_map_to_both_apis():

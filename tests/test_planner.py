@@ -1236,6 +1236,21 @@ def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     assert backward_workspace_shapes(ordered, 3, 8, 1000) == {**rows, "dq_order": (3, 8, 16, 2)}
 
 
+def test_a_deterministic_backward_takes_its_dq_turns_on_the_writer_warp():
+    """Its waits for turns and for sums to land would otherwise stall a consumer warpgroup's MMAs:
+    the planner gives it the dQ writer warp, and the one feasibility check refuses one without."""
+    from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
+    from fa4gen.planner import backward_plan
+
+    for spec in (AttentionSpec(head_dim=96), AttentionSpec(head_dim=256, causal=True)):
+        plain, ordered = backward_plan(spec), backward_plan(spec.model_copy(update={"deterministic": True}))
+        assert not plain.config.dq_writer and ordered.config.dq_writer
+        assert "stall no MMA" in ordered.reasons["dq_writer"]
+        assert not bwd_config_problem(plain.config.model_copy(update={"dq_writer": True}))  # an A/B option
+        refused = bwd_config_problem(ordered.config.model_copy(update={"dq_writer": False}))
+        assert "dq_writer" in refused
+
+
 def test_a_kv_heads_query_heads_split_over_two_ctas_only_where_masked_ctas_would_leave_sms_idle():
     from fa4gen.backward import head_splits
     from fa4gen.planner import backward_plan

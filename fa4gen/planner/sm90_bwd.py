@@ -101,6 +101,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         tile_m=row.tile_m,
         q_stages=row.q_stages,
         dq_stages=row.dq_stages,
+        dq_writer=spec.deterministic,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         dq_split=row.dq_split,
@@ -121,6 +122,12 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         tile_m=row.reason,
         q_stages=row.reason,
         dq_stages=row.reason,
+        dq_writer=(
+            "deterministic: a producer warp issues dQ's reduce-adds, so the turns and the wait for each sum to "
+            "land stall no MMA (decision bwd-deterministic)"
+            if spec.deterministic
+            else "a consumer warp issues dQ's reduce-adds, left running during the next step"
+        ),
         dq_split=row.reason,
         dkv_split=row.reason,
         producer_regs="the TMA warp needs few registers; the consumers take the rest",

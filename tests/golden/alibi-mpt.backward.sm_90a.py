@@ -56,6 +56,7 @@ CONFIG = Sm90BwdConfig(
     expression_mask=False,
     aux_grads=(),
     deterministic=False,
+    dq_writer=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
     num_consumer_warpgroups=2,

@@ -14,8 +14,9 @@ deterministically) times the query tiles that see the key tile (from the mask's 
 table of packed documents' query rows, or an expression mask's backward block mask). A step
 (bwd_step.py) runs S^T and dP^T, the probabilities and dS^T, dV += P^T.dO and dK += dS^T.Q from
 registers, dQ = dS.K through shared memory, and hands dQ to a TMA reduce-add into the fp32
-accumulator in global memory (the only cross-CTA sum) that runs on during the next step; a
-deterministic backward adds each query tile's dQ in a fixed key-tile order (bwd_step.py).
+accumulator in global memory (the only cross-CTA sum) that runs on during the next step: issued
+by a consumer warp, or with ``dq_writer`` by warp 1 of warpgroup 0, the dQ writer; a
+deterministic backward's writer adds each query tile's dQ in a fixed key-tile order (bwd_step.py).
 
 Everything tile-shaped is a compile-time constant of Sm90BwdConfig; batch, heads and sequence
 lengths are run-time values.
@@ -291,10 +292,13 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dpsum), smem, pipes, where, args)
+            if cutlass.const_expr(self.cfg.dq_writer):
+                if warp_idx == 1:
+                    self.write_dq(smem, tma_dq, dq_order, where, (seqlen_q, seqlen_k, args))
         else:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             f = self.fragments(smem, tidx - WARPGROUP_THREADS)
-            self.consume(f, smem, pipes, where, (tma_dq, dq_order), (seqlen_q, seqlen_k, args))
+            self.consume(f, smem, pipes, where, tma_dq, (seqlen_q, seqlen_k, args))
             self.store_dk_dv(f, outputs, head_splits, (n_block, kv_head, batch), seqlen_k)
 
     @cute.jit
@@ -393,12 +397,10 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         )
 
     @cute.jit
-    def consume(self, f, smem: BwdSmem, pipes, where, dq, sizes):
+    def consume(self, f, smem: BwdSmem, pipes, where, tma_dq, sizes):
         """Both consumer warpgroups: every step of this CTA (dK and dV accumulate in ``f``);
-        ``dq``: dQ's reduce-add TMA and its semaphores; ``sizes``: (Sq, Sk, the variant's run-time
-        values)."""
+        ``tma_dq``: dQ's reduce-add TMA; ``sizes``: (Sq, Sk, the variant's run-time values)."""
         pipe_kv, pipe_q, pipe_do = pipes
-        tma_dq, semaphores = dq
         n_block, kv_head, batch, m_min, count, first_head, heads = where
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -414,23 +416,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
                 acc_dq = self.products_by_columns(f, pipe_q, pipe_do, state)
             else:
                 acc_dq = self.products(f, pipe_do, state)
-            order = None
-            if cutlass.const_expr(self.cfg.deterministic):
-                order = (semaphores, self._step_tile(where, step - 1, args), (where, step % count), sizes)
-            self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages, order)
+            self.stage_dq(f, smem, acc_dq, tma_dq, (head, batch, m_block), step % self.dq_stages)
             if cutlass.const_expr(self.cfg.dkv_split == "m"):
                 self.dk_done(pipe_q, state)
             state.advance()
-        last = None
-        if cutlass.const_expr(self.cfg.deterministic):
-            last = (*self._step_tile(where, steps - 1, args), batch)
-        self.dq_stores_done(f, semaphores, last)
-
-    @cute.jit
-    def _step_tile(self, where, step: Int32, args):
-        """(query tile, head) of ``step`` (query tile -1 before the first)."""
-        _, _, _, _, count, first_head, _ = where
-        m_block, head = Int32(-1), first_head
-        if step >= 0:
-            m_block, head = self.query_tile(where, step % count, args), first_head + step // count
-        return m_block, head
+        self.dq_stores_done(f)

@@ -66,6 +66,10 @@ class Sm90BwdConfig(BaseModel):
     # share): gradients bit-identical from run to run
     deterministic: bool
     # the schedule (from the planner)
+    # dQ's reduce-adds issued by a warp of the producer warpgroup (the consumers hand it each
+    # staged dQ by named barrier) instead of a consumer warp: its waits (a deterministic turn, a
+    # sum landing) stall no MMA. Deterministic backwards need it.
+    dq_writer: bool
     head_dim_padded: int
     head_dim_v_padded: int
     num_consumer_warpgroups: int
@@ -148,6 +152,8 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
         return extents
     if c.num_consumer_warpgroups != 2 or c.q_stages not in (1, 2) or c.dq_stages not in (1, 2):
         return "the backward runs 2 consumer warpgroups, 1 or 2 Q stages and 1 or 2 dQ stages"
+    if c.deterministic and not c.dq_writer:
+        return "a deterministic backward takes its dQ turns on the dQ writer warp (dq_writer)"
     if c.tile_m > 256 or c.tile_m % 8:
         return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
     if problem := dq_split_problem(c):

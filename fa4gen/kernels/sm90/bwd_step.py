@@ -14,12 +14,14 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
    dS^T come from shared memory, where both warpgroups wrote their rows;
 4. dS^T through shared memory (a transposing stmatrix) for dQ = dS.K;
 5. dQ staged in fp32 shared memory (``dq_stages`` buffers) and added into the accumulator in
-   global memory by one TMA reduce-add per warpgroup, which runs on during the next step;
-   deterministic, each query tile's share takes the key tiles' sums in a fixed order (descending
-   under a right bound, whose higher key tiles reach a query tile first and launch first; else
-   ascending: Sm90BwdConfig.dq_descending): a semaphore per (query tile, warpgroup) counts the
-   tiles added, and a key tile passes its turn once its sum has landed, when it issues the next
-   step's.
+   global memory by one TMA reduce-add per warpgroup's share, which runs on during the next step:
+   issued by each warpgroup's first warp, or (``dq_writer``) handed by named barrier to the dQ
+   writer warp of the producer warpgroup, which gives the buffer back once read. Deterministic
+   (always with the writer, whose waits then stall no MMA), each query tile's share takes the key
+   tiles' sums in a fixed order (descending under a right bound, whose higher key tiles reach a
+   query tile first and launch first; else ascending: Sm90BwdConfig.dq_descending): a semaphore
+   per (query tile, share) counts the tiles added, and a key tile passes its turn once its sum
+   has landed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
+from fa4gen.arch import WARP_THREADS, WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
 from fa4gen.kernels.common.masking import column_offsets, visible_columns
 from fa4gen.kernels.sm90.bwd_prepost import LOG2_E
@@ -46,6 +48,10 @@ class BwdBarrier(enum.IntEnum):
 
     DS_FULL = 1  # both warpgroups have written this step's dS; their dQ staging buffers are free
     DQ_FULL = 2  # both warpgroups' dQ is staged (and their dQ MMAs have read dS)
+    # with the dQ writer warp, per staging buffer (id + stage): the consumers hand it a staged dQ,
+    # it hands the buffer back once its reduce-adds have read it
+    DQ_STAGED = 3
+    DQ_EMPTY = 5
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class BwdFragments:
 
 class Sm90BwdStep:
     """Needs cfg, dtype, dqk, dv, tile_m, tile_n, num_consumers, dq_stages, key_queries,
-    mask_mod, score_grad, _dq_box() and dq_turn()."""
+    mask_mod, score_grad, _dq_box(), query_tile() and dq_turn()."""
 
     def _mma(self, a_major, b_major, atoms, tiler, accumulate: bool, a_registers: bool = False) -> cute.TiledMma:
         source = warpgroup.OperandSource.RMEM if a_registers else warpgroup.OperandSource.SMEM
@@ -480,9 +486,10 @@ class Sm90BwdStep:
         step's dQ goes to (dq_stages steps back) has read it. Waited here, half a step after it
         was issued, not right after issuing (with one buffer, a stall of the warpgroup's next
         MMAs); the DS_FULL barrier after it tells the other warps. (dkv_split m waits in
-        stage_dq.)"""
-        if f.warp == 0:
-            cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
+        stage_dq; with the dQ writer warp, stage_dq takes the buffer back from it.)"""
+        if cutlass.const_expr(not self.cfg.dq_writer):
+            if f.warp == 0:
+                cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
 
     @cute.jit
     def _dq_product(self, f: BwdFragments):
@@ -516,18 +523,17 @@ class Sm90BwdStep:
         pipe_q.consumer_release(state)
 
     @cute.jit
-    def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32, order):
-        """This warpgroup's dQ into staging buffer ``stage`` (free since ``products``) and its TMA
-        reduce-add into the accumulator, left running; deterministic, in its key tile's turn
-        (``order``: the semaphores, the step's (query tile, head) before, this step's (CTA
-        walk, index in it), the sizes)."""
-        head, batch, m_block = at
-        # the warp that issues the warpgroup's reduce-adds (a warp-uniform branch: a
-        # thread-dependent one around the TMA serialized every wgmma of the kernel)
-        issuing = f.warp == 0
+    def stage_dq(self, f: BwdFragments, smem: BwdSmem, acc_dq, tma_dq, at, stage: Int32):
+        """This warpgroup's dQ into staging buffer ``stage`` and on into the accumulator in global
+        memory: with the dQ writer warp (dq_writer), handed to it by named barrier, the buffer
+        first taken back from it (its last reduce-add has read it); else by TMA reduce-add from
+        the warpgroup's issuing warp, left running during the next step (the buffer free since
+        ``products``)."""
+        if cutlass.const_expr(self.cfg.dq_writer):
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY) + stage, number_of_threads=self._dq_handoff_threads())
         staged = f.thr_dq.partition_C(smem.dq[None, None, stage])
-        if cutlass.const_expr(self.cfg.deterministic):
-            # (element by element: beside the turn's semaphore work the 64-bit stores spilled)
+        if cutlass.const_expr(self.cfg.dq_writer):
+            # (element by element: beside the buffer's barrier, 64-bit stores spilled at d256)
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
                 staged[i] = acc_dq[i]
         else:
@@ -536,64 +542,103 @@ class Sm90BwdStep:
         # both warpgroups: this step's dQ is staged, and their dQ MMAs have read dS (products
         # waited for them), so the next step may write it
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL), number_of_threads=self.num_consumers * WARPGROUP_THREADS)
-        if issuing:
-            atom, mdq = tma_dq
-            box = self._dq_box()
-            by_rows = self.cfg.dq_split == "m"
-            mine = (f.warpgroup, 0) if cutlass.const_expr(by_rows) else (0, f.warpgroup)
-            source = cute.local_tile(smem.dq[None, None, stage], box, mine)
-            tiles = cute.local_tile(mdq[None, None, head, batch], box, (None, None))
-            tDs, tDg = cpasync.tma_partition(
-                atom, 0, cute.make_layout(1), cute.group_modes(source, 0, 2), cute.group_modes(tiles, 0, 2)
+        if cutlass.const_expr(self.cfg.dq_writer):
+            cute.arch.barrier_arrive(
+                barrier_id=int(BwdBarrier.DQ_STAGED) + stage, number_of_threads=self._dq_handoff_threads()
             )
-            row_tile = m_block * (self.tile_m // WGMMA_M) + (f.warpgroup if cutlass.const_expr(by_rows) else 0)
-            if cutlass.const_expr(self.cfg.deterministic):
-                semaphores, before, (walk, j), sizes = order
-                if before[0] >= 0:  # the step before: its sum landed, the next key tile may add
-                    self._pass_dq_turn(semaphores, (before[1], batch, before[0]), f.warpgroup)
-                turn = self.dq_turn(walk, j, m_block, sizes)
-                self._await_dq_turn(semaphores, (head, batch, m_block), f.warpgroup, turn)
-            cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
+        elif f.warp == 0:
+            # (a warp-uniform branch: a thread-dependent one around the TMA serialized every
+            # wgmma of the kernel)
+            self._reduce_add_dq(tma_dq, smem, stage, at, f.warpgroup)
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.cfg.dkv_split == "m"):
                 # (waited here with dK's MMA in flight: a wait in products, between dV's MMA and
                 # the barrier, made ptxas serialize wgmmas and spill)
                 cute.arch.cp_async_bulk_wait_group(self.dq_stages - 1, read=True)
 
+    def _dq_handoff_threads(self) -> int:
+        """Threads of the named barriers between the consumers and the dQ writer warp."""
+        return self.num_consumers * WARPGROUP_THREADS + WARP_THREADS
+
     @cute.jit
-    def dq_stores_done(self, f: BwdFragments, semaphores, last):
-        """Every reduce-add has read its staging buffer (shared memory ends with the CTA);
-        deterministic, the last step's (``last``: its query tile and head, tile -1: none) has
-        landed and the next key tile may add."""
-        if f.warp == 0:
-            if cutlass.const_expr(self.cfg.deterministic):
-                m_block, head, batch = last
-                if m_block >= 0:
-                    self._pass_dq_turn(semaphores, (head, batch, m_block), f.warpgroup)
-            else:
+    def _reduce_add_dq(self, tma_dq, smem: BwdSmem, stage: Int32, at, share):
+        """Issue the TMA reduce-add of consumer warpgroup ``share``'s part of staging buffer
+        ``stage`` into query tile ``at`` = (head, batch, query tile) of the accumulator."""
+        head, batch, m_block = at
+        atom, mdq = tma_dq
+        box = self._dq_box()
+        by_rows = self.cfg.dq_split == "m"
+        mine = (share, 0) if cutlass.const_expr(by_rows) else (0, share)
+        source = cute.local_tile(smem.dq[None, None, stage], box, mine)
+        tiles = cute.local_tile(mdq[None, None, head, batch], box, (None, None))
+        tDs, tDg = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(source, 0, 2), cute.group_modes(tiles, 0, 2)
+        )
+        row_tile = m_block * (self.tile_m // WGMMA_M) + (share if cutlass.const_expr(by_rows) else 0)
+        cute.copy(atom, tDs, tDg[None, row_tile, mine[1]])
+
+    @cute.jit
+    def dq_stores_done(self, f: BwdFragments):
+        """Every reduce-add a consumer warp issued has read its staging buffer (shared memory ends
+        with the CTA; the dQ writer warp waits for its own)."""
+        if cutlass.const_expr(not self.cfg.dq_writer):
+            if f.warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _await_dq_turn(self, semaphores, at, warpgroup_idx: Int32, turn: Int32):
-        """Spin (the issuing warp) until ``turn`` key tiles have added their share into this
-        query tile's dQ, then order this warp's reduce-add after theirs."""
+    def write_dq(self, smem: BwdSmem, tma_dq, semaphores, where, sizes):
+        """The dQ writer warp (dq_writer): each step's staged dQ, both warpgroups' shares, added into
+        the accumulator by TMA reduce-add. Deterministic, in the key tile's turn at its query tile
+        (computed while the consumers work), passed on once the sums have landed; each staging
+        buffer goes back to the consumers once read (landed, deterministic)."""
+        _, _, batch, _, count, first_head, heads = where
+        steps = heads * count
+        threads = self._dq_handoff_threads()
+        for stage in cutlass.range_constexpr(self.dq_stages):  # every buffer starts free
+            if stage < steps:
+                cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + stage, number_of_threads=threads)
+        for step in cutlass.range(steps, unroll=1):
+            stage = step % self.dq_stages
+            at = (first_head + step // count, batch, self.query_tile(where, step % count, sizes[2]))
+            turn = Int32(0)
+            if cutlass.const_expr(self.cfg.deterministic):
+                turn = self.dq_turn(where, step % count, at[2], sizes)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_STAGED) + stage, number_of_threads=threads)
+            # (a loop, not unrolled: both shares' TMA addresses at once spilled the 24-register warp)
+            for share in cutlass.range(self.num_consumers, unroll=1):
+                if cutlass.const_expr(self.cfg.deterministic):
+                    self._await_dq_turn(semaphores, at, share, turn)
+                self._reduce_add_dq(tma_dq, smem, stage, at, share)
+            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.cfg.deterministic):
+                self._pass_dq_turn(semaphores, at)
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if step + self.dq_stages < steps:
+                cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY) + stage, number_of_threads=threads)
+
+    @cute.jit
+    def _await_dq_turn(self, semaphores, at, share: Int32, turn: Int32):
+        """Spin until ``turn`` key tiles have added warpgroup ``share``'s part of this query tile's
+        dQ, then order this warp's reduce-add after theirs."""
         head, batch, m_block = at
-        flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, warpgroup_idx), semaphores.layout)
+        flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, share), semaphores.layout)
         seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
         while seen != turn:
             seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
         cute.arch.fence_proxy("async.global")
 
     @cute.jit
-    def _pass_dq_turn(self, semaphores, at, warpgroup_idx: Int32):
-        """Once every reduce-add of this warp has landed in global memory (not just read its
-        buffer), count this key tile's turn at query tile ``at`` as taken."""
+    def _pass_dq_turn(self, semaphores, at):
+        """Once this warp's reduce-adds have landed in global memory (not just read their
+        buffer), count this key tile's turn at query tile ``at`` as taken, for every share."""
         head, batch, m_block = at
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_proxy("async.global")
         if cute.arch.lane_idx() == 0:
-            flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, warpgroup_idx), semaphores.layout)
-            cute.arch.red(flag, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+            for share in cutlass.range_constexpr(self.num_consumers):
+                flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, share), semaphores.layout)
+                cute.arch.red(flag, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
     def store_dk_dv(self, f: BwdFragments, outputs, head_splits: Int32, at, seqlen_k: Int32):
