@@ -31,7 +31,10 @@ so .pyc files and the page cache are warm for every timed one.
 Repeats are fresh processes; the table shows medians. Jobs run in priority order (variant a's
 repeats, then one of every other cell, then the rest) until --time-limit; what did not fit is
 listed as skipped. Outputs are checked against an fp32 reference after the timing (and against
-each other where one process ran both), so neither library is timed doing nothing.
+each other where one process ran both), so neither library is timed doing nothing. After its
+timing, a cell's first repeat waits for fa4gen's planner's kernel to take over (untimed: when it
+runs, and whether it gives the same bits); the other repeats exit at once, and the background
+builds they leave are killed before the next process starts.
 """
 
 from __future__ import annotations
