@@ -4,7 +4,9 @@ what they print is what A/B decisions and stall breakdowns in BENCHMARKS.md rest
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -367,3 +369,34 @@ def test_a_backward_plan_ab_changes_config_fields_and_reports_the_ratio(capsys):
     out = capsys.readouterr().out
     assert "| d64 | 4096 | 4 | 400 | 440 | 1.10x |" in out
     assert "tile_m=128 / default: min 1.10x, geometric mean 1.10x over 1 cells" in out
+
+
+PREIMPORT_THEN_BUILD = """
+import importlib, json, sys, tempfile
+import first_call
+for name in first_call.DSL_MODULES:
+    importlib.import_module(name)
+first_call._import_library("fa4gen", deferred=True)
+before = set(sys.modules)
+from fa4gen.api import _build_plan, _process_cache
+from fa4gen.arch import Arch
+from fa4gen.planner import first_call_plan, plan
+from fa4gen.spec import AttentionSpec
+spec = AttentionSpec(head_dim=64, qhead_per_kvhead=2, causal=True)
+_build_plan(spec, Arch.SM90A, first_call_plan(plan(spec, Arch.SM90A)), _process_cache(tempfile.mkdtemp()), False)
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_first_call_pre_imports_what_fa4gen_s_first_build_would_import():
+    # where imports are not paid, the timed part must import none of fa4gen's own dependencies
+    out = subprocess.run(
+        [sys.executable, "-c", PREIMPORT_THEN_BUILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), *sys.path])},
+    )
+    imported = json.loads(out.stdout.splitlines()[-1])
+    deferred = ("fa4gen", "jinja2", "diskcache", "cutlass.cutlass_dsl", "cutlass.base_dsl.tvm_ffi")
+    assert [name for name in imported if name.startswith(deferred)] == []
