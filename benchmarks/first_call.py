@@ -78,6 +78,8 @@ DSL_MODULES = (
 # what fa4gen's first call imports itself (``import fa4gen`` defers them to stay under 0.5 s):
 # pre-imported too where imports are not paid, as flash-attn-4's import brings all of its own
 FA4GEN_DEFERRED = (
+    "fa4gen.tuned",
+    "fa4gen.backward",
     "jinja2",
     "diskcache",
     "cutlass.cutlass_dsl.tvm_ffi_provider",
