@@ -45,7 +45,7 @@ from fa4gen.specfile import dump_spec
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KiB; this bounds what is parsed
 TRANSFORMERS_VERSION = "5.17"  # whose semantics and defaults this module follows
-LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3")
+LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3")
 MULTIMODAL = {"gemma3": "gemma3_text", "llama4": "llama4_text"}  # outer model_type -> its text_config's
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "deepseek_v3", "bloom", "mpt")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -88,6 +88,25 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "sliding_window": 4096,
         "max_window_layers": 28,
+    },
+    "qwen2_moe": {
+        "max_position_embeddings": 32768,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 24,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 24,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
     },
     "phi3": {"max_position_embeddings": 4096, "hidden_size": 3072, "num_attention_heads": 32, "num_hidden_layers": 32},
     "gemma2": {
@@ -497,9 +516,11 @@ class _Mapper:
         )
 
     def _llama_like(self) -> list[_Layer]:
-        """Llama, Mistral, Mixtral, Qwen 2/3, Phi-3: scaling head_dim**-0.5; Mistral, Mixtral and
-        Phi-3 use one mask for every layer (a window when sliding_window is set); Qwen 2/3 slide
-        only with use_sliding_window, on layers from max_window_layers on (or as layer_types says)."""
+        """Llama, Mistral, Mixtral, Qwen 2/3 and their MoE models, Phi-3: scaling head_dim**-0.5;
+        Mistral, Mixtral and Phi-3 use one mask for every layer (a window when sliding_window is
+        set); the Qwens slide only with use_sliding_window: Qwen 2/3 on layers from
+        max_window_layers on, Qwen2-MoE on even layers below it (or as layer_types says), Qwen3-MoE
+        on every layer (it has no layer_types)."""
         count = self.layer_count()
         heads = self.heads()
         ratio, ratio_note = self.gqa(heads)
@@ -513,12 +534,22 @@ class _Mapper:
                 base.notes["window_left"] = "no window (sliding_window is null)"
                 return [base] * count
             return [self._with_window(base)] * count
-        # qwen2 / qwen3: configuration sets sliding_window = None unless use_sliding_window
+        # the Qwens: their configurations drop sliding_window unless use_sliding_window
         use = self.bool_("use_sliding_window")
         window = self.get("sliding_window") if use else None
-        start = self.int_("max_window_layers", minimum=0)
-        default = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(count)]
-        types = self.layer_types(count, default)
+        if self.model_type == "qwen3_moe":  # (its attention reads sliding_window on every layer)
+            types = ["sliding_attention" if window is not None else "full_attention"] * count
+        else:
+            start = self.int_("max_window_layers", minimum=0)
+            if self.model_type == "qwen2_moe":
+                default = [
+                    "sliding_attention" if use and i % 2 == 0 and i < start else "full_attention" for i in range(count)
+                ]
+            else:
+                default = [
+                    "sliding_attention" if window is not None and i >= start else "full_attention" for i in range(count)
+                ]
+            types = self.layer_types(count, default)
         out = []
         for layer_type in types:
             if layer_type == "sliding_attention":
