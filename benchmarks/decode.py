@@ -116,10 +116,12 @@ def split_cells(cells: Iterable[Cell]) -> tuple[list[Cell], list[Cell]]:
 
 
 def select(cells: list[Cell], match: str = "", part: str = "1/1") -> list[Cell]:
-    """Cells whose label contains one of match's comma-separated words (all without), then every
-    k-th from the i-th for part "i/k" (a full grid runs past one 10-minute device call)."""
+    """Cells whose label contains one of match's comma-separated words (all without; a word of
+    parts joined by "+" needs all its parts: "B1/+Sk4096/"), then every k-th from the i-th for part
+    "i/k" (a full grid runs past one 10-minute device call)."""
     if match:
-        cells = [c for c in cells if any(word in c.label for word in match.split(","))]
+        words = [word.split("+") for word in match.split(",")]
+        cells = [c for c in cells if any(all(part in c.label for part in word) for word in words)]
     index, parts = (int(x) for x in part.split("/"))
     return cells[index - 1 :: parts]
 
@@ -593,7 +595,7 @@ def main(argv=None) -> None:
     parser.add_argument("mode", choices=("warm", "run", "report", "compare"))
     parser.add_argument("rows", nargs="*", help="report, compare: the rows files runs wrote (--out)")
     parser.add_argument("--grid", choices=("full", "quick"), default="quick")
-    parser.add_argument("--match", default="", help="only cells whose label contains one of these words (a,b)")
+    parser.add_argument("--match", default="", help="only cells whose label holds one of these words (a,b; a+b: both)")
     parser.add_argument("--part", default="1/1", help="run: every k-th cell from the i-th (i/k)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """Time the decode kernel at forced split-KV counts, to check ``decode_splits``' choice (on the GPU).
 
     python benchmarks/decode_splits.py [--out rows.json]
+    python benchmarks/decode_splits.py --short [--out rows.json]   # B = 1 over 1k-4k keys, down to a key tile per split
 
 For each cell (benchmarks/decode.py's: Llama-3-8B heads, causal, contiguous cache read through
 ``seqused_k``) the kernel runs with each split count up to one per 4 key tiles, timed as the
@@ -38,13 +39,15 @@ CELLS = [
     decode.Cell(8, 4, 4096, 4),
     decode.Cell(8, 16, 4096, 8),
 ]
-COUNTS = (1, 2, 4, 8, 16, 24, 33, 48, 66, 96, 128)
+# B = 1 over short caches, where a launch is a few microseconds of latency (cuDNN's cells)
+SHORT_CELLS = [decode.Cell(1, 1, sk, g) for sk in (1024, 4096) for g in (1, 4, 8)] + [decode.Cell(1, 4, 4096, 8)]
+COUNTS = (1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 96, 128)
 
 
-def run_cell(cell: decode.Cell) -> dict:
+def run_cell(cell: decode.Cell, tiles_per_split: int = 4) -> dict:
     kernel = fa4gen.compile(decode.specs_of([cell])[0])
     tile_n = kernel.decode_kernel().plan.config.tile_n
-    counts = [c for c in COUNTS if c <= max(1, cell.seqlen_k // tile_n // 4)]
+    counts = [c for c in COUNTS if c <= max(1, cell.seqlen_k // tile_n // tiles_per_split)]
     inputs = decode.make_inputs(cell)
     heuristic = decode_config.decode_splits
     functions = {}
@@ -66,10 +69,11 @@ def run_cell(cell: decode.Cell) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--short", action="store_true", help="SHORT_CELLS, down to one key tile per split")
     args = parser.parse_args()
     rows = []
-    for cell in CELLS:
-        rows.append(run_cell(cell))
+    for cell in SHORT_CELLS if args.short else CELLS:
+        rows.append(run_cell(cell, 1 if args.short else 4))
         best = min(rows[-1]["us"], key=rows[-1]["us"].get)
         times = " ".join(f"{name}={us:.1f}" for name, us in rows[-1]["us"].items())
         print(f"{cell.label:40} best {best:>4}  {times}", flush=True)

@@ -72,6 +72,10 @@ def test_labels_and_match_pin_numbers():
     assert {c.batch for c in decode.select(quick, "B1/")} == {1}
     assert {c.layout for c in decode.select(quick, "paged16,paged128")} == {"paged16", "paged128"}
     assert decode.select(quick, "nothing-matches") == []
+    both = decode.select(decode.grid("full"), "B1/+Sk4096/,B8/+paged16")
+    assert both and all(("B1/" in c.label and "Sk4096/" in c.label) or "B8/" in c.label for c in both)
+    assert {c.layout for c in both if c.batch == 8} == {"paged16"}
+    assert {c.seqlen_k for c in both if c.batch == 1} == {4096}
     halves = decode.select(quick, part="1/2") + decode.select(quick, part="2/2")
     assert sorted(c.label for c in halves) == sorted(c.label for c in quick)
 

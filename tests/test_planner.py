@@ -50,7 +50,6 @@ from fa4gen.planner.sm90_tables import (
     SM90_D96_SHORT,
     SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM,
     SM90_FWD_TILES,
-    SM90_PAGED_WIDE_TILES,
     SPLIT_TAIL,
     SPLIT_TAIL_EVERY_LENGTH,
     SPLIT_TAIL_FROM_2048,
@@ -141,14 +140,15 @@ def test_decode_plans_hold_their_invariants(ratio):
         assert w.ctas_per_sm == 1 and not w.paged and decode_smem_bytes(w) <= SMEM_LIMIT
         for narrow, over_pages in ((c, paged.plan.config), (w, paged_wide.plan.config)):
             assert over_pages.paged and over_pages.tile_n % PAGE_BOX == 0 and over_pages.tile_n // PAGE_BOX <= 32
-            # the same kernel but for its registers and, 128 rows wide, the paged table's ring
-            ring = {"tile_n": over_pages.tile_n, "kv_stages": over_pages.kv_stages}
-            assert over_pages.model_copy(update={"paged": False, "producer_regs": narrow.producer_regs}) == (
-                narrow.model_copy(update={"consumer_regs": over_pages.consumer_regs, **ring})
-            )
-        assert paged.plan.config.tile_n == c.tile_n and paged.plan.config.kv_stages == c.kv_stages
-        row = next(r for r in SM90_PAGED_WIDE_TILES if max(c.head_dim_padded, c.head_dim_v_padded) <= r.max_head_dim)
-        assert (paged_wide.plan.config.tile_n, paged_wide.plan.config.kv_stages) == (row.tile_n, row.kv_stages)
+            # the same kernel but for where K/V come from; 64 rows wide, the walk unrolled in more registers
+            assert over_pages.page_walk_unrolled == (narrow.tile_m == 64) and not narrow.page_walk_unrolled
+            regs = {"producer_regs": narrow.producer_regs, "consumer_regs": narrow.consumer_regs}
+            assert over_pages.model_copy(update={"paged": False, "page_walk_unrolled": False, **regs}) == narrow
+            assert over_pages.producer_regs >= (32 if over_pages.page_walk_unrolled else 24)
+            # an unrolled walk in 24 registers spills, and a contiguous kernel has no pages to walk
+            for bad in ({"producer_regs": 24}, {"paged": False}):
+                bad = {"page_walk_unrolled": True, **bad}
+                assert "page_walk_unrolled" in decode_config_problem(over_pages.model_copy(update=bad))
         assert c.q_in_registers == w.q_in_registers == (c.head_dim_padded <= SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM)
         for split in splits[-3:]:
             assert split.plan.is_decode and not plan_problem(split.plan) and first_call_plan(split.plan) is None

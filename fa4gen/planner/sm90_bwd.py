@@ -101,7 +101,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         tile_m=row.tile_m,
         q_stages=row.q_stages,
         dq_stages=row.dq_stages,
-        dq_writer=spec.deterministic,
+        dq_writer=spec.deterministic or row.dq_writer,
         producer_regs=producer_regs,
         consumer_regs=consumer_regs,
         dq_split=row.dq_split,
@@ -126,6 +126,9 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
             "deterministic: a producer warp issues dQ's reduce-adds, so the turns and the wait for each sum to "
             "land stall no MMA (decision bwd-deterministic)"
             if spec.deterministic
+            else "128 query rows, dQ split by rows: the dQ writer warp issues the 16 reduce-adds per consumer warp and "
+            "step, which stalled the MMA warps (1.05-1.15x at d64; decision bwd-deterministic)"
+            if row.dq_writer
             else "a consumer warp issues dQ's reduce-adds, left running during the next step"
         ),
         dq_split=row.reason,

@@ -22,8 +22,6 @@ from fa4gen.planner.sm90_tables import (
     SM90_DECODE_WIDE_REGISTER_SPLIT,
     SM90_DECODE_WIDE_TILES,
     SM90_PAGED_PRODUCER_REGS,
-    SM90_PAGED_WIDE_REGISTER_SPLIT,
-    SM90_PAGED_WIDE_TILES,
 )
 from fa4gen.spec import AttentionSpec
 
@@ -81,14 +79,12 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
         raise ValueError(problem)
     variant = {name: value for name, value in variant_fields(spec).items() if name in VARIANT_FIELDS}
     dqk, dv = _round_up(spec.head_dim, MMA_K_GRANULE), _round_up(spec.dv, MMA_K_GRANULE)
-    table = SM90_DECODE_TILES
-    if wide:
-        table = SM90_PAGED_WIDE_TILES if paged else SM90_DECODE_WIDE_TILES
+    table = SM90_DECODE_WIDE_TILES if wide else SM90_DECODE_TILES
     row = next(r for r in table if max(dqk, dv) <= r.max_head_dim)
     producer_regs, consumer_regs = SM90_DECODE_WIDE_REGISTER_SPLIT if wide else SM90_DECODE_REGISTER_SPLIT
-    if paged and wide:
-        producer_regs, consumer_regs = SM90_PAGED_WIDE_REGISTER_SPLIT
-    elif paged:
+    # paged plans are the contiguous ones, but a 64-row kernel's producer walks the pages unrolled
+    unrolled = paged and not wide
+    if unrolled:
         producer_regs = SM90_PAGED_PRODUCER_REGS[row.ctas_per_sm]
         if row.ctas_per_sm > 1:
             consumer_regs = DECODE_PAIR_REGISTERS - producer_regs
@@ -99,6 +95,7 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
         tile_n=row.tile_n,
         kv_stages=row.kv_stages,
         paged=paged,
+        page_walk_unrolled=unrolled,
         ctas_per_sm=row.ctas_per_sm,
         consumer_warpgroups=2 if wide else 1,
         q_in_registers=dqk <= SM90_DECODE_Q_REGISTERS_MAX_HEAD_DIM,
@@ -111,7 +108,11 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
     regs = "the producer warpgroup only issues TMA; the consumer holds S, P and O"
     if paged:
         regs = (
-            "the producer issues TMA and walks the page table (at 24 registers it spills); the consumer holds S, P, O"
+            "the producer issues TMA and walks the page table, a tile's boxes unrolled (in 24 registers it spills); "
+            "the consumer holds S, P and O"
+            if unrolled
+            else "the producer issues TMA and walks the page table one box at a time (in 24 registers); the "
+            "consumers hold S, P and O"
         )
     return Plan(
         arch="sm_90a",
@@ -124,6 +125,15 @@ def plan_decode_sm90(spec: AttentionSpec, paged: bool = False, wide: bool = Fals
             "tile_n": row.reason,
             "kv_stages": row.reason,
             "paged": PAGED_REASON if paged else "K/V contiguous per batch entry, one TMA box per key tile",
+            "page_walk_unrolled": (
+                "64 rows: a tile's boxes issued in straight-line code, 2-3 us faster than a loop over short caches "
+                "(decision paged-kv)"
+                if unrolled
+                else "128 rows: a loop over a tile's boxes in the producer's 24 registers leaves the consumers 240, "
+                "enough for 128-key steps (decision paged-kv)"
+                if paged
+                else "not paged"
+            ),
             "ctas_per_sm": row.reason,
             "consumer_warpgroups": WIDE_REASON if wide else f"one consumer warpgroup: {WGMMA_M} packed rows per tile",
             "q_in_registers": (

@@ -219,6 +219,8 @@ class BwdTileRow:
     q_stages: int
     dq_stages: int
     reason: str
+    # dQ's reduce-adds issued by the dQ writer warp, not by a consumer warp (decision bwd-deterministic)
+    dq_writer: bool = False
 
 
 # Up to d128: 128 keys per CTA (64 per consumer warpgroup), dK and dV in registers. 128 query
@@ -271,6 +273,8 @@ SM90_BWD_PLAIN_WIDE_ROWS = BwdTileRow(
     2,
     "128 query rows per step (dQ split by rows): a d <= 64 variant with no mask but a right bound, "
     "no soft cap or score modifier has the registers (decision bwd-tiles)",
+    # dQ by rows takes 16 TMA reduce-adds per consumer warp and step: the writer warp issues them
+    dq_writer=True,
 )
 SM90_BWD_REGISTER_SPLIT = (24, 240)  # producer, consumers: the forward's 2-warpgroup split
 
@@ -304,13 +308,6 @@ SM90_DECODE_WIDE_TILES = (
     DecodeTileRow(128, 128, 3, 1, "128 packed rows, d <= 128: 128 keys, 3 stages of 64 KB, one CTA per SM"),
     DecodeTileRow(256, 32, 4, 1, "128 packed rows, d > 128: 32 keys, 4 stages of up to 32 KB (Q takes 64 KB)"),
 )
-# Paged, 128 rows: a paged consumer has 232 registers (the producer walks the page table with 40),
-# where 128-key steps spill; 64 keys in a deeper ring instead.
-SM90_PAGED_WIDE_TILES = (
-    SM90_DECODE_WIDE_TILES[0],
-    DecodeTileRow(128, 64, 6, 1, "paged, 128 packed rows, d <= 128: 64 keys, 6 stages of 32 KB, one CTA per SM"),
-    SM90_DECODE_WIDE_TILES[2],
-)
 # Q.K^T's A operand from registers up to this head dim (Q's 64 x d bf16: d / 4 registers per thread
 # beside O, S and P); past it Q stays in shared memory: at d192 ptxas serialized the 128-row
 # kernel's wgmma (one arrive per HGMMA), and d256's 64 registers more would not fit.
@@ -320,11 +317,11 @@ SM90_DECODE_WIDE_REGISTER_SPLIT = (24, 240)  # producer, each consumer: the forw
 # two CTAs of 256 threads per SM
 SM90_DECODE_REGISTER_SPLIT = (24, 232)
 DECODE_PAIR_REGISTERS = 256  # producer + consumer registers per thread pair at two CTAs per SM
-# paged, by CTAs per SM: the producer also walks the page table (entries, slots, box rows),
-# which spills at 24 (and at 32 with d256's 32 boxes per key tile); the consumer keeps 232 where
-# one CTA holds the SM, else the pair's rest
+# paged, 64 rows, by CTAs per SM: the producer walks a tile's boxes unrolled, in 32 registers (40 at
+# d256's 32 boxes per tile, one CTA per SM); a rolled walk in 24 issued them slower, 2-3 us more at
+# B 8 over 1k keys (decision paged-kv). The 128-row kernels walk rolled in 24, for their consumers'
+# 240 registers and 128-key steps.
 SM90_PAGED_PRODUCER_REGS = {1: 40, 2: 32}
-SM90_PAGED_WIDE_REGISTER_SPLIT = (40, 232)  # the producer's 40 leave each of two consumers 232
 # Query lengths the decode kernel takes (packed rows = Sq x G, one 64-row tile): GQA launches up to
 # 64 packed rows; MHA (nothing to pack) only up to 16 query rows, where a launch still leaves SMs
 # idle without split-KV and the forward's overlapped steps win past it.

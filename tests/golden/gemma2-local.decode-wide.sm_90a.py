@@ -52,6 +52,7 @@ CONFIG = Sm90DecodeConfig(
     tile_n=32,
     kv_stages=4,
     paged=False,
+    page_walk_unrolled=False,
     ctas_per_sm=1,
     consumer_warpgroups=2,
     q_in_registers=False,

@@ -52,6 +52,7 @@ CONFIG = Sm90DecodeConfig(
     tile_n=64,
     kv_stages=3,
     paged=True,
+    page_walk_unrolled=True,
     ctas_per_sm=1,
     consumer_warpgroups=1,
     q_in_registers=False,

@@ -37,15 +37,16 @@ CONFIG = Sm90DecodeConfig(
     extra_names=(),
     head_dim_padded=128,
     head_dim_v_padded=128,
-    tile_n=64,
-    kv_stages=6,
+    tile_n=128,
+    kv_stages=3,
     paged=True,
+    page_walk_unrolled=False,
     ctas_per_sm=1,
     consumer_warpgroups=2,
     q_in_registers=True,
     rescale_threshold=8.0,
-    producer_regs=40,
-    consumer_regs=232,
+    producer_regs=24,
+    consumer_regs=240,
 )
 
 

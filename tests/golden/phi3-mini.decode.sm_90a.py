@@ -39,6 +39,7 @@ CONFIG = Sm90DecodeConfig(
     tile_n=64,
     kv_stages=3,
     paged=False,
+    page_walk_unrolled=False,
     ctas_per_sm=2,
     consumer_warpgroups=1,
     q_in_registers=True,

@@ -40,6 +40,7 @@ CONFIG = Sm90DecodeConfig(
     tile_n=128,
     kv_stages=3,
     paged=False,
+    page_walk_unrolled=False,
     ctas_per_sm=1,
     consumer_warpgroups=2,
     q_in_registers=True,

@@ -53,12 +53,13 @@ CONFIG = Sm90DecodeConfig(
     tile_n=128,
     kv_stages=5,
     paged=True,
+    page_walk_unrolled=False,
     ctas_per_sm=1,
     consumer_warpgroups=2,
     q_in_registers=True,
     rescale_threshold=8.0,
-    producer_regs=40,
-    consumer_regs=232,
+    producer_regs=24,
+    consumer_regs=240,
 )
 
 

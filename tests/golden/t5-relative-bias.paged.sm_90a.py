@@ -53,6 +53,7 @@ CONFIG = Sm90DecodeConfig(
     tile_n=128,
     kv_stages=3,
     paged=True,
+    page_walk_unrolled=True,
     ctas_per_sm=2,
     consumer_warpgroups=1,
     q_in_registers=True,

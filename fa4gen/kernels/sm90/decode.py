@@ -364,17 +364,36 @@ class HopperAttentionDecode(DecodeSplitMerge):
             current = pages
             # (the next tile's entries: their latency overlaps this tile's waits and copies)
             pages = self.page_of(table, lo + i + 1, lane, page_size, max_pages, num_pages)
+            n_block = lo + i
             pipe_k.producer_acquire(state)
-            for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
-                page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(lo + i, c, page_size)
-                barrier = pipe_k.producer_get_barrier(state)
-                cute.copy(tma_k, tKg[None, (row, 0, page)], tKs[None, c, 0, state.index], tma_bar_ptr=barrier)
+            barrier = pipe_k.producer_get_barrier(state)
+            if cutlass.const_expr(self.cfg.page_walk_unrolled):  # (addresses of every box live at once)
+                for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
+                    self.copy_box(tma_k, tKg, tKs, c, False, current, n_block, page_size, barrier, state.index)
+            else:  # (a loop: the producer's 24 registers)
+                for c in cutlass.range(self.tile_n // PAGE_BOX, unroll=1):
+                    self.copy_box(tma_k, tKg, tKs, c, False, current, n_block, page_size, barrier, state.index)
             pipe_v.producer_acquire(state)
-            for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
-                page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(lo + i, c, page_size)
-                barrier = pipe_v.producer_get_barrier(state)
-                cute.copy(tma_v, tVg[None, (0, row, page)], tVs[None, 0, c, state.index], tma_bar_ptr=barrier)
+            barrier = pipe_v.producer_get_barrier(state)
+            if cutlass.const_expr(self.cfg.page_walk_unrolled):
+                for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
+                    self.copy_box(tma_v, tVg, tVs, c, True, current, n_block, page_size, barrier, state.index)
+            else:
+                for c in cutlass.range(self.tile_n // PAGE_BOX, unroll=1):
+                    self.copy_box(tma_v, tVg, tVs, c, True, current, n_block, page_size, barrier, state.index)
             state.advance()
+
+    @cute.jit
+    def copy_box(
+        self, tma, boxes, stage_boxes, c, transposed: bool, current, n_block: Int32, page_size: Int32, barrier, stage
+    ):
+        """Box ``c`` of key tile ``n_block`` from its page (lane c of ``current``) into its rows of
+        ``stage`` (``transposed``: V's boxes, keys along the second mode)."""
+        page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(n_block, c, page_size)
+        if cutlass.const_expr(transposed):
+            cute.copy(tma, boxes[None, (0, row, page)], stage_boxes[None, 0, c, stage], tma_bar_ptr=barrier)
+        else:
+            cute.copy(tma, boxes[None, (row, 0, page)], stage_boxes[None, c, 0, stage], tma_bar_ptr=barrier)
 
     @cute.jit
     def page_of(self, table, n_block: Int32, box: Int32, page_size: Int32, max_pages: Int32, num_pages: Int32):

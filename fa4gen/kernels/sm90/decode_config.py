@@ -27,6 +27,7 @@ UNSPLIT_FILL = 0.45  # a launch of this share of the slots in CTAs runs unsplit 
 LONG_RUN_TILES = 128  # ... unless each CTA's run has at least this many key tiles
 PAGED_LONG_RUN_TILES = 32  # (paged: between the 16 measured unsplit-faster and the 64 split-faster)
 PAGE_BOX = 16  # keys per TMA box of a paged cache: the smallest page size (vLLM's default)
+PAGED_UNROLLED_PRODUCER_REGS = 32  # an unrolled page walk's addresses spilled at 24
 
 
 class Sm90DecodeConfig(BaseModel):
@@ -52,6 +53,9 @@ class Sm90DecodeConfig(BaseModel):
     tile_n: int  # keys per step
     kv_stages: int  # depth of the K and V rings
     paged: bool  # K/V from a pool of pages through a page table, PAGE_BOX keys per TMA box
+    # paged: a key tile's boxes issued in straight-line code (PAGED_UNROLLED_PRODUCER_REGS or more),
+    # else by a loop that walks them one at a time in fewer registers but issues them more slowly
+    page_walk_unrolled: bool
     ctas_per_sm: int  # CTAs one SM holds at once (shared memory and registers split between them)
     consumer_warpgroups: int  # 64 packed rows each, sharing every K/V tile the CTA loads
     q_in_registers: bool  # Q.K^T takes Q from registers (read once from global), not shared memory
@@ -81,6 +85,8 @@ def decode_config_problem(c: Sm90DecodeConfig) -> str:
         return "tile_n must be at most 256, kv_stages at least 2, ctas_per_sm and consumer_warpgroups 1 or 2"
     if c.paged and (c.tile_n % PAGE_BOX or c.tile_n // PAGE_BOX > 32):
         return f"a paged tile_n must be a multiple of {PAGE_BOX} keys, at most 32 boxes (a lane's page each)"
+    if c.page_walk_unrolled and (not c.paged or c.producer_regs < PAGED_UNROLLED_PRODUCER_REGS):
+        return f"page_walk_unrolled needs a paged config and at least {PAGED_UNROLLED_PRODUCER_REGS} producer registers"
     warpgroups = c.consumer_warpgroups
     smem, registers = decode_smem_bytes(c), WARPGROUP_THREADS * (c.producer_regs + warpgroups * c.consumer_regs)
     if c.ctas_per_sm > 1:
