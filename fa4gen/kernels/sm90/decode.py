@@ -364,31 +364,32 @@ class HopperAttentionDecode(DecodeSplitMerge):
             current = pages
             # (the next tile's entries: their latency overlaps this tile's waits and copies)
             pages = self.page_of(table, lo + i + 1, lane, page_size, max_pages, num_pages)
-            n_block = lo + i
+            n_block, at = lo + i, state.index
             pipe_k.producer_acquire(state)
-            barrier = pipe_k.producer_get_barrier(state)
-            if cutlass.const_expr(self.cfg.page_walk_unrolled):  # (addresses of every box live at once)
-                for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
-                    self.copy_box(tma_k, tKg, tKs, c, False, current, n_block, page_size, barrier, state.index)
-            else:  # (a loop: the producer's 24 registers)
-                for c in cutlass.range(self.tile_n // PAGE_BOX, unroll=1):
-                    self.copy_box(tma_k, tKg, tKs, c, False, current, n_block, page_size, barrier, state.index)
+            self.copy_boxes(tma_k, tKg, tKs, False, current, n_block, page_size, pipe_k.producer_get_barrier(state), at)
             pipe_v.producer_acquire(state)
-            barrier = pipe_v.producer_get_barrier(state)
-            if cutlass.const_expr(self.cfg.page_walk_unrolled):
-                for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
-                    self.copy_box(tma_v, tVg, tVs, c, True, current, n_block, page_size, barrier, state.index)
-            else:
-                for c in cutlass.range(self.tile_n // PAGE_BOX, unroll=1):
-                    self.copy_box(tma_v, tVg, tVs, c, True, current, n_block, page_size, barrier, state.index)
+            self.copy_boxes(tma_v, tVg, tVs, True, current, n_block, page_size, pipe_v.producer_get_barrier(state), at)
             state.advance()
+
+    @cute.jit
+    def copy_boxes(
+        self, tma, boxes, stage_boxes, transposed: bool, current, n_block: Int32, page_size: Int32, barrier, stage
+    ):
+        """Every box of key tile ``n_block`` from its page (lane c of ``current`` holds box c's) into
+        its rows of ``stage`` (``transposed``: V's boxes, keys along the second mode): unrolled with
+        every box's addresses live at once, or (page_walk_unrolled false) a loop in 24 registers."""
+        if cutlass.const_expr(self.cfg.page_walk_unrolled):
+            for c in cutlass.range_constexpr(self.tile_n // PAGE_BOX):
+                self.copy_box(tma, boxes, stage_boxes, c, transposed, current, n_block, page_size, barrier, stage)
+        else:
+            for c in cutlass.range(self.tile_n // PAGE_BOX, unroll=1):
+                self.copy_box(tma, boxes, stage_boxes, c, transposed, current, n_block, page_size, barrier, stage)
 
     @cute.jit
     def copy_box(
         self, tma, boxes, stage_boxes, c, transposed: bool, current, n_block: Int32, page_size: Int32, barrier, stage
     ):
-        """Box ``c`` of key tile ``n_block`` from its page (lane c of ``current``) into its rows of
-        ``stage`` (``transposed``: V's boxes, keys along the second mode)."""
+        """Box ``c`` of key tile ``n_block`` from its page into its rows of ``stage``."""
         page, row = cute.arch.shuffle_sync(current, c), self.row_box_of(n_block, c, page_size)
         if cutlass.const_expr(transposed):
             cute.copy(tma, boxes[None, (0, row, page)], stage_boxes[None, 0, c, stage], tma_bar_ptr=barrier)
