@@ -5,6 +5,7 @@
     python benchmarks/backward.py report rows.json > table.md
     python benchmarks/backward.py {warm,run} --deterministic [--match d128]   # deterministic mode's cost
     python benchmarks/backward.py {warm,run} --plan tile_m=128,dq_split=m [--match d64]   # a plan A/B
+    python benchmarks/backward.py run --deterministic --plan dq_grouped_turns=true --dq-groups 1,2,4,8
 
 Cells follow the forward grid's rule (fa4gen.bench: B x S = 16k tokens, Hq x d = 2048). Peers:
 flash-attn-4 (``flash_attn.cute.flash_attn_func`` under autograd), SDPA with the cuDNN and the
@@ -15,7 +16,9 @@ forward (all through autograd). TFLOP/s counts 2.5x the forward's useful FLOPs f
 (its five matrix products against the forward's two). With --deterministic a run times the
 backward kernel alone twice per cell, without and with ``spec.deterministic`` (no peers), and
 the report gives its cost. With --plan FIELD=VALUE,... likewise against the backward plan with
-those config fields changed (an A/B of one plan option, checked as ``fa4gen.build`` checks plans).
+those config fields changed (an A/B of one plan option, checked as ``fa4gen.build`` checks plans);
+both together change the deterministic plan. --dq-groups times that kernel again with each dQ
+group count forced (a run-time choice, fa4gen.backward.dq_groups: nothing recompiles).
 """
 
 from __future__ import annotations
@@ -89,17 +92,13 @@ def _changed_plan(spec: AttentionSpec, changes: str) -> Plan:
 
 
 def _alternative(spec: AttentionSpec, args, build: bool = False):
-    """The backward timed against the default one: deterministic, or the changed plan (built
-    into the cache with ``build``, else loaded from it)."""
-    if args.deterministic:
-        ordered = training_spec(_deterministic(spec))
-        if build:
-            return fa4gen.build(ordered, "sm_90a", kernel_plan=backward_plan(ordered))
-        return fa4gen.compile_backward(ordered)
-    changed = _changed_plan(spec, args.plan)
+    """The backward timed against the default one: deterministic, the changed plan, or both (the
+    deterministic spec's plan changed), built into the cache with ``build``, else loaded from it."""
+    target = _deterministic(spec) if args.deterministic else spec
+    plan = _changed_plan(target, args.plan) if args.plan else backward_plan(training_spec(target))
     if build:
-        return fa4gen.build(training_spec(spec), "sm_90a", kernel_plan=changed)
-    return fa4gen.compile_backward(spec, kernel_plan=changed)
+        return fa4gen.build(training_spec(target), "sm_90a", kernel_plan=plan)
+    return fa4gen.compile_backward(target, kernel_plan=plan)
 
 
 def warm(args) -> None:
@@ -160,6 +159,22 @@ def _time_autograd(forward, input_sets):
     return alone, both
 
 
+def _time_dq_groups(kernel, saved, counts: str, flops: float) -> dict:
+    """The deterministic backward with each of these dQ group counts forced (fa4gen.backward's
+    run-time choice: nothing recompiles), timed on the same saved tensors."""
+    import fa4gen.backward as backward_module
+
+    rule, found = backward_module.dq_groups, {}
+    for count in (int(c) for c in counts.split(",")):
+        backward_module.dq_groups = lambda plan, seqlen_k, count=count: count
+        try:
+            ms = bench.time_ms(lambda *a: kernel(*a), saved, iters=10, warmup=2)
+        finally:
+            backward_module.dq_groups = rule
+        found[str(count)] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9}
+    return found
+
+
 def run_case(case: bench.BenchCase, args) -> dict:
     import torch
 
@@ -183,7 +198,9 @@ def run_case(case: bench.BenchCase, args) -> dict:
         ms = (ms + bench.time_ms(lambda *a: backward(*a), saved, iters=10, warmup=2)) / 2
         row["fa4gen"] = {"bwd_ms": ms, "bwd_tflops": BACKWARD_FLOPS * flops / ms / 1e9}
         row["alternative"] = {"bwd_ms": ms_other, "bwd_tflops": BACKWARD_FLOPS * flops / ms_other / 1e9}
-        row["label"] = "deterministic" if args.deterministic else args.plan
+        row["label"] = " ".join(filter(None, ("deterministic" if args.deterministic else "", args.plan)))
+        if args.deterministic and args.dq_groups:
+            row["groups"] = _time_dq_groups(other, saved, args.dq_groups, flops)
         return row
     kernel = fa4gen.compile(spec)
     _, both = _time_autograd(lambda q, k, v: kernel(q, k, v), sets)
@@ -210,7 +227,8 @@ def run(args) -> None:
         if "alternative" in row:
             mine, other = row["fa4gen"]["bwd_tflops"], row["alternative"]["bwd_tflops"]
             head = f"{case.name:34} S={case.seqlen:5} B={case.batch:2}"
-            print(f"{head}  bwd TFLOP/s {mine:.0f}, {row['label']} {other:.0f}", flush=True)
+            groups = "".join(f", {g} groups {v['bwd_tflops']:.0f}" for g, v in row.get("groups", {}).items())
+            print(f"{head}  bwd TFLOP/s {mine:.0f}, {row['label']} {other:.0f}{groups}", flush=True)
             continue
         cells = "  ".join(
             f"{name} {row[name]['bwd_tflops']:.0f}/{row[name]['fwdbwd_ms']:.2f}ms"
@@ -269,15 +287,27 @@ def _report_alternative(rows: list[dict]) -> None:
     import math
 
     label = rows[0]["label"]
-    print(f"| case | S | B | backward TFLOP/s | {label} | {label} / default |\n|---|---|---|---|---|---|")
-    kept = []
+    groups = list(rows[0].get("groups", {}))  # (--dq-groups: each count / default)
+    extra = "".join(f" {g} groups / default |" for g in groups)
+    print(f"| case | S | B | backward TFLOP/s | {label} | {label} / default |{extra}")
+    print("|---|---|---|---|---|---|" + "---|" * len(groups))
+    kept, by_count = [], {g: [] for g in groups}
     for row in rows:
         mine, other = row["fa4gen"]["bwd_tflops"], row["alternative"]["bwd_tflops"]
         kept.append(other / mine)
         cells = f"{mine:.0f} | {other:.0f} | {other / mine:.2f}x"
+        for g in groups:
+            by_count[g].append(row["groups"][g]["bwd_tflops"] / mine)
+            cells += f" | {by_count[g][-1]:.2f}x"
         print(f"| {row['name']} | {row['seqlen']} | {row['batch']} | {cells} |")
-    mean = math.exp(sum(map(math.log, kept)) / len(kept))
-    print(f"\n- {label} / default: min {min(kept):.2f}x, geometric mean {mean:.2f}x over {len(kept)} cells")
+
+    def summary(name: str, found: list[float]) -> str:
+        mean = math.exp(sum(map(math.log, found)) / len(found))
+        return f"- {name} / default: min {min(found):.2f}x, geometric mean {mean:.2f}x over {len(found)} cells"
+
+    print("\n" + summary(label, kept))
+    for g, found in by_count.items():
+        print(summary(f"{label}, {g} dQ groups", found))
 
 
 def _environment() -> dict:
@@ -295,6 +325,11 @@ def main() -> None:
     parser.add_argument("--match", default="", help="only cells whose name contains one of these words (a,b)")
     parser.add_argument("--deterministic", action="store_true", help="time deterministic mode's cost (no peers)")
     parser.add_argument("--plan", default="", help="time the backward plan with these config fields changed (f=v,...)")
+    parser.add_argument(
+        "--dq-groups",
+        default="",
+        help="with --deterministic --plan dq_grouped_turns=true: also time these dQ group counts (1,2,4)",
+    )
     args = parser.parse_args()
     {"warm": warm, "run": run, "report": report}[args.mode](args)
 

@@ -118,7 +118,8 @@ class BackwardKernel:
         if seqlen_q == 0 or batch == 0:  # nothing flows back: dK and dV are zero
             empty = (torch.zeros(heads_q, dtype=torch.float32, device=q.device),) if self.spec.sinks else ()
             return dq, dk.zero_(), dv.zero_(), *empty, *trained
-        shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q)
+        groups = dq_groups(self.plan, k.shape[1])
+        shapes = backward_workspace_shapes(self.plan, batch, heads_q, seqlen_q, groups)
         work = {
             name: torch.empty(shape, dtype=torch.int32 if name == "dq_order" else torch.float32, device=q.device)
             for name, shape in shapes.items()
@@ -223,6 +224,23 @@ def head_splits(plan: Plan, batch: int, kv_heads: int, seqlen_k: int, sms: int) 
     unequal = any(c.query_bounds) or c.expression_mask
     ctas = -(-seqlen_k // c.tile_n) * kv_heads * batch
     return 2 if unequal and c.qhead_per_kvhead % 2 == 0 and ctas < SPLIT_BELOW_CTAS_PER_SM * sms else 1
+
+
+# a deterministic backward's dQ groups: at most this many partial accumulators, one more per
+# this many key tiles (decision bwd-deterministic)
+MAX_DQ_GROUPS = 4
+KEY_TILES_PER_DQ_GROUP = 4
+
+
+def dq_groups(plan: Plan, seqlen_k: int) -> int:
+    """Over how many partial accumulators a deterministic backward deals each query tile's dQ
+    turns (round-robin: a key tile waits only for the tiles of its group before it, so the chain
+    of turns is 1/groups as long; the postprocess adds the partials in group order). 1 unless the
+    plan has dq_grouped_turns."""
+    if not plan.config.dq_grouped_turns:
+        return 1
+    key_tiles = -(-seqlen_k // plan.config.tile_n)
+    return max(1, min(MAX_DQ_GROUPS, key_tiles // KEY_TILES_PER_DQ_GROUP))
 
 
 # the most CTAs per SM that launch heaviest key tiles first (decision bwd-key-tile-order)

@@ -151,7 +151,8 @@ def decode_arguments(plan: Plan, q, k, seqused_k, page_table, slots: int) -> tup
     splits), the split count from the sizes and ``slots`` (the runtime passes the SM count: one
     CTA per SM measured faster than one per CTA slot, decision decode-kernel), the cache lengths
     every entry's capacity where none are given (Sk, or a paged entry's pages x page size)."""
-    from fa4gen.kernels.sm90.decode_config import counter_tiles, decode_splits
+    from fa4gen.kernels.sm90.decode_config import counter_tiles
+    from fa4gen.kernels.sm90.decode_splits import decode_splits
 
     c = plan.config
     batch, seqlen_q, heads_q = q.shape[:3]

@@ -384,6 +384,16 @@ def backward_specs() -> dict[str, AttentionSpec]:
 # past 128, d64's 128-row steps); the first three are also the
 # specs of benchmarks/backward.py's cells d96, d128 causal and d128 gqa4 causal, whose
 # deterministic cost a run of `--deterministic` measures from the tests' cache
+def grouped_turns_plan(spec: AttentionSpec):
+    """The planner's backward plan of deterministic ``spec`` with dq_grouped_turns on (the GPU
+    tests and tests/warm_gpu_cache.py build it beside the planner's)."""
+    from fa4gen.api import training_spec
+    from fa4gen.planner import backward_plan
+
+    plan = backward_plan(training_spec(spec))
+    return plan.model_copy(update={"config": plan.config.model_copy(update={"dq_grouped_turns": True})})
+
+
 DETERMINISTIC_CASES = (
     "d96-gqa1-dense",
     "d128-gqa1-causal",

@@ -371,6 +371,28 @@ def test_a_backward_plan_ab_changes_config_fields_and_reports_the_ratio(capsys):
     assert "tile_m=128 / default: min 1.10x, geometric mean 1.10x over 1 cells" in out
 
 
+def test_deterministic_plan_ab_times_dq_group_counts(capsys):
+    """`backward.py --deterministic --plan dq_grouped_turns=true --dq-groups 1,4`: the plan changed
+    is the deterministic spec's, and the report gives each forced dQ group count / default."""
+    import argparse
+
+    import backward
+
+    from fa4gen.spec import AttentionSpec
+
+    args = argparse.Namespace(deterministic=True, plan="dq_grouped_turns=true")
+    spec = backward._deterministic(AttentionSpec(head_dim=128, causal=True))
+    plan = backward._changed_plan(spec, args.plan)
+    assert plan.config.deterministic and plan.config.dq_grouped_turns
+    row = {"name": "d128 causal", "seqlen": 4096, "batch": 4, "label": "deterministic dq_grouped_turns=true"}
+    groups = {"1": {"bwd_tflops": 300.0}, "4": {"bwd_tflops": 380.0}}
+    rows = [{**row, "fa4gen": {"bwd_tflops": 400.0}, "alternative": {"bwd_tflops": 320.0}, "groups": groups}]
+    backward._report_alternative(rows)
+    out = capsys.readouterr().out
+    assert "| d128 causal | 4096 | 4 | 400 | 320 | 0.80x | 0.75x | 0.95x |" in out
+    assert "deterministic dq_grouped_turns=true, 4 dQ groups / default: min 0.95x" in out
+
+
 PREIMPORT_THEN_BUILD = """
 import importlib, json, sys, tempfile
 import first_call

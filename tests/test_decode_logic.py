@@ -14,7 +14,8 @@ from cutlass.cute.runtime import from_dlpack
 
 import fa4gen
 from fa4gen.kernels.common.variant import VariantArgs
-from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, PAGE_BOX, decode_splits
+from fa4gen.kernels.sm90.decode_config import MAX_SPLITS, PAGE_BOX
+from fa4gen.kernels.sm90.decode_splits import decode_splits
 from fa4gen.planner.sm90_decode import plan_decode_sm90
 
 GROUP_CASES = {

@@ -15,7 +15,7 @@ import pytest
 from gpu_cases import decode_specs, variant_inputs
 
 import fa4gen
-import fa4gen.kernels.sm90.decode_config as decode_config
+import fa4gen.kernels.sm90.decode_splits as split_policy
 from fa4gen.testing import assert_close_to_reference, gather_pages
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +104,7 @@ def _paged(k, v, lengths, page_size: int, seed: int):
 def test_decode_with_cache_lengths(name, shape, splits, monkeypatch):
     spec = SPECS[name]
     if splits is not None:
-        monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: splits)
+        monkeypatch.setattr(split_policy, "decode_splits", lambda *sizes: splits)
     attn = fa4gen.compile(spec)
     seed = hash((name, shape, splits)) % 2**31
     q, k, v, args = variant_inputs(spec, *shape, seed=seed, kv_heads=KV_HEADS)
@@ -124,7 +124,7 @@ def test_paged_decode(name, shape, page_size, splits, monkeypatch):
     """A paged cache: the same results as the contiguous cache the page table describes."""
     spec = SPECS[name]
     if splits is not None:
-        monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: splits)
+        monkeypatch.setattr(split_policy, "decode_splits", lambda *sizes: splits)
     attn = fa4gen.compile(spec)
     seed = hash((name, shape, page_size, splits)) % 2**31
     q, k, v, args = variant_inputs(spec, *shape, seed=seed, kv_heads=KV_HEADS)
@@ -140,7 +140,7 @@ def test_paged_page_sizes(page_size, splits, monkeypatch):
     """Any page size that is a multiple of 16 runs on the one compiled kernel; without seqused_k
     each entry's keys fill its table's pages."""
     spec = SPECS["llama-gqa4"]
-    monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: splits)
+    monkeypatch.setattr(split_policy, "decode_splits", lambda *sizes: splits)
     attn = fa4gen.compile(spec)
     q, k, v, args = variant_inputs(spec, 3, 2, 3 * page_size, seed=page_size, kv_heads=KV_HEADS)
     full = _lengths(3, 3 * page_size, 0).fill_(3 * page_size)
@@ -170,7 +170,7 @@ def test_plain_decode_launch_picks_the_decode_kernel(name, splits, monkeypatch):
     """Without cache lengths a short query launch runs the decode kernel too (its length range),
     every key of the cache visible."""
     spec = SPECS[name]
-    monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: splits)
+    monkeypatch.setattr(split_policy, "decode_splits", lambda *sizes: splits)
     attn = fa4gen.compile(spec)
     assert attn.kernel_for(1).plan.kernel == "HopperAttentionDecode"
     q, k, v, args = variant_inputs(spec, 2, 1, 3001, seed=splits, kv_heads=KV_HEADS)
@@ -201,7 +201,7 @@ def test_split_counters_come_back_down_across_launches_and_graphs(seqlen_q, monk
     import fa4gen.kv_cache
 
     spec = SPECS["window-sinks"]
-    monkeypatch.setattr(decode_config, "decode_splits", lambda *sizes: 6)
+    monkeypatch.setattr(split_policy, "decode_splits", lambda *sizes: 6)
     attn = fa4gen.compile(spec)
     assert attn.decode_kernel(seqlen_q).plan.config.tile_m == (128 if seqlen_q == 12 else 64)
     q, k, v, args = variant_inputs(spec, 3, seqlen_q, 3000, seed=5, kv_heads=KV_HEADS)

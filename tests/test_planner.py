@@ -1234,6 +1234,37 @@ def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     ordered = backward_plan(AttentionSpec(head_dim=96, causal=True, deterministic=True))
     assert ordered.config.deterministic and "decision bwd-deterministic" in ordered.reasons["deterministic"]
     assert backward_workspace_shapes(ordered, 3, 8, 1000) == {**rows, "dq_order": (3, 8, 16, 2)}
+    # dQ groups: the accumulator's rows and the semaphores' query tiles repeat per group
+    with pytest.raises(AssertionError, match="dq_grouped_turns"):
+        backward_workspace_shapes(ordered, 3, 8, 1000, 2)
+    grouped = ordered.model_copy(update={"config": ordered.config.model_copy(update={"dq_grouped_turns": True})})
+    assert backward_workspace_shapes(grouped, 3, 8, 1000, 3) == {
+        **rows,
+        "dq_accum": (3, 8, 3072, 96),
+        "dq_order": (3, 8, 48, 2),
+    }
+
+
+def test_a_deterministic_backward_deals_its_dq_turns_over_groups_by_key_tiles():
+    """backward.dq_groups: one group per KEY_TILES_PER_DQ_GROUP key tiles, at most MAX_DQ_GROUPS,
+    and one without dq_grouped_turns (the planner leaves it off until it is measured on a GPU;
+    bwd_config_problem refuses it without deterministic mode)."""
+    from fa4gen.backward import KEY_TILES_PER_DQ_GROUP, MAX_DQ_GROUPS, dq_groups
+    from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
+    from fa4gen.planner import backward_plan
+
+    plain = backward_plan(AttentionSpec(head_dim=128, causal=True))
+    planned = backward_plan(AttentionSpec(head_dim=128, causal=True, deterministic=True))
+    assert not planned.config.dq_grouped_turns and dq_groups(planned, 1 << 20) == 1
+    grouped = {"dq_grouped_turns": True}
+    assert "needs deterministic" in bwd_config_problem(plain.config.model_copy(update=grouped))
+    ordered = planned.model_copy(update={"config": planned.config.model_copy(update=grouped)})
+    assert bwd_config_problem(ordered.config) == ""
+    tile_n = ordered.config.tile_n
+    assert dq_groups(plain, 1 << 20) == 1
+    assert dq_groups(ordered, 1) == 1
+    assert dq_groups(ordered, tile_n * KEY_TILES_PER_DQ_GROUP * 2) == min(2, MAX_DQ_GROUPS)
+    assert dq_groups(ordered, 1 << 20) == MAX_DQ_GROUPS
 
 
 def test_a_deterministic_backward_takes_its_dq_turns_on_the_writer_warp():

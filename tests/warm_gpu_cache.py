@@ -18,6 +18,7 @@ from gpu_cases import (
     example_specs,
     first_call_cases,
     gpu_specs,
+    grouped_turns_plan,
     keyless_cases,
     pair_tail_specs,
     plan_option_cases,  # noqa: E402
@@ -86,6 +87,8 @@ def warm_backward(cache_dir: str) -> None:
         backward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir, kernel_plan=backward_plan(with_lse))
         if name in AUTOGRAD_CASES:
             fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
+        if spec.deterministic:  # (test_deterministic_dq_groups_sum_in_a_fixed_order)
+            fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir, kernel_plan=grouped_turns_plan(spec))
         state = "compiled" if forward.any_built_now or backward.built_now else "cached"
         print(f"backward/{name:19} {state:8} {time.perf_counter() - started:6.2f} s  {backward.key[:12]}", flush=True)
 

@@ -128,18 +128,23 @@ def split_workspace_shape(p: Plan, num_ctas: int) -> tuple[int, int, int, int] |
     return num_ctas, c.num_consumer_warpgroups, split_partial_words(c.head_dim_v_padded), WARPGROUP_THREADS
 
 
-def backward_workspace_shapes(p: Plan, batch: int, heads: int, seqlen_q: int) -> dict[str, tuple[int, ...]]:
+def backward_workspace_shapes(
+    p: Plan, batch: int, heads: int, seqlen_q: int, dq_groups: int = 1
+) -> dict[str, tuple[int, ...]]:
     """The backward's workspaces (fa4gen.kernels.sm90.bwd): dQ's fp32 accumulator and the rows'
     dPsum and LSE in log2 units, over whole query tiles; ``dq_order`` (int32): deterministic, a
-    semaphore per query tile and consumer warpgroup, else a stand-in the kernel does not touch."""
+    semaphore per query tile and consumer warpgroup, else a stand-in the kernel does not touch.
+    With dq_grouped_turns, dQ's accumulator and semaphores repeat per dQ group (``dq_groups``, a
+    run-time choice: backward.dq_groups), whose partials the postprocess adds in group order."""
     c = p.config
     assert isinstance(c, Sm90BwdConfig), "a backward plan"
+    assert dq_groups == 1 or (c.dq_grouped_turns and dq_groups > 1), "dQ groups need dq_grouped_turns"
     tiles = -(-max(seqlen_q, 1) // c.tile_m)
     rows = tiles * c.tile_m
-    order = (batch, heads, tiles) if c.deterministic else (1, 1, 1)
+    order = (batch, heads, dq_groups * tiles) if c.deterministic else (1, 1, 1)
     order = (*order, c.num_consumer_warpgroups)  # (static in the kernel: the stand-in has it too)
     return {
-        "dq_accum": (batch, heads, rows, c.head_dim_padded),
+        "dq_accum": (batch, heads, dq_groups * rows, c.head_dim_padded),
         "dpsum": (batch, heads, rows),
         "lse_log2": (batch, heads, rows),
         "dq_order": order,

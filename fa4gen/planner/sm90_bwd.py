@@ -131,6 +131,8 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
             if row.dq_writer
             else "a consumer warp issues dQ's reduce-adds, left running during the next step"
         ),
+        dq_grouped_turns="off: dQ's turns in one chain per query tile (grouped turns not yet measured on a GPU; "
+        "decision bwd-deterministic)",
         dq_split=row.reason,
         dkv_split=row.reason,
         producer_regs="the TMA warp needs few registers; the consumers take the rest",

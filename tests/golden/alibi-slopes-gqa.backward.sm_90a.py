@@ -59,6 +59,7 @@ CONFIG = Sm90BwdConfig(
     aux_grads=(),
     deterministic=False,
     dq_writer=False,
+    dq_grouped_turns=False,
     head_dim_padded=128,
     head_dim_v_padded=128,
     num_consumer_warpgroups=2,

@@ -101,10 +101,10 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         mdQ: cute.Tensor,  # (B, Sq, Hq, D), written
         mdK: cute.Tensor,  # (B, Sk, Hkv, D), written
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv), written
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D_pad) fp32 workspace
+        mdQaccum: cute.Tensor,  # (B, Hq, dQ groups x Sq_pad, D_pad) fp32 workspace
         mdPsum: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) fp32 workspace
-        mdQorder: cute.Tensor,  # (B, Hq, m_blocks, W) int32 workspace: dQ's turns, deterministic
+        mdQorder: cute.Tensor,  # (B, Hq, dQ groups x m_blocks, W) int32: dQ's turns, deterministic
         mdKaccum: cute.Tensor,  # (B, Sk_pad, Hkv, D_pad) fp32, zeroed: dK's partial sums when split
         mdVaccum: cute.Tensor,  # (B, Sk_pad, Hkv, Dv_pad) fp32, zeroed: dV's
         head_splits: Int32,  # CTAs per KV head and key tile, each with its share of the query heads

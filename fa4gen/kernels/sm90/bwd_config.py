@@ -70,6 +70,10 @@ class Sm90BwdConfig(BaseModel):
     # staged dQ by named barrier) instead of a consumer warp: its waits (a deterministic turn, a
     # sum landing) stall no MMA. Deterministic backwards need it.
     dq_writer: bool
+    # deterministic: each query tile's dQ turns dealt round-robin over a run-time number of partial
+    # accumulators with a semaphore each (backward.dq_groups), which the postprocess adds in group
+    # order: a key tile waits only for the tiles of its group. Off until measured on a GPU.
+    dq_grouped_turns: bool = False
     head_dim_padded: int
     head_dim_v_padded: int
     num_consumer_warpgroups: int
@@ -154,6 +158,8 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
         return "the backward runs 2 consumer warpgroups, 1 or 2 Q stages and 1 or 2 dQ stages"
     if c.deterministic and not c.dq_writer:
         return "a deterministic backward takes its dQ turns on the dQ writer warp (dq_writer)"
+    if c.dq_grouped_turns and not c.deterministic:
+        return "dq_grouped_turns orders a deterministic backward's dQ turns: it needs deterministic"
     if c.tile_m > 256 or c.tile_m % 8:
         return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
     if problem := dq_split_problem(c):

@@ -7,7 +7,10 @@ bwd.HopperAttentionBackward), one CTA of 128 threads per (query tile, head, batc
 - postprocess: dQ = softmax_scale * accumulator, rounded to the input type.
 
 The workspaces have ceil(Sq / tile_m) * tile_m rows, so the main kernel reads and adds whole
-tiles without bounds checks.
+tiles without bounds checks. With dq_grouped_turns the accumulator and semaphores hold one
+partial per dQ group (bwd_step.py), query tile m of group g at virtual tile g x m_blocks + m: both
+launches walk the groups (the semaphores' extent over m_blocks), the postprocess adding the
+partials in group order, so the sum's order is fixed too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Sm90BwdPrePost:
     @cute.kernel
     def preprocess(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mdQorder):
         """mO, mdO: (B, Sq, H, Dv); mLSE, mdLSE (the LSE's gradient): (B, H, Sq); mdPsum,
-        mLSElog2: (B, H, Sq_pad); mdQaccum: (B, H, Sq_pad, D_pad); mdQorder: (B, H, m_blocks, W)
+        mLSElog2: (B, H, Sq_pad); mdQaccum: (B, H, groups x Sq_pad, D_pad); mdQorder: (B, H, groups x m_blocks, W)
         dQ's semaphores, zeroed when deterministic."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -59,25 +62,46 @@ class Sm90BwdPrePost:
                 lse_log2 = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
                 mdPsum[batch, head, row] = total
                 mLSElog2[batch, head, row] = lse_log2
+        if cutlass.const_expr(self.cfg.dq_grouped_turns):
+            m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+            for group in cutlass.range(mdQorder.shape[2] // m_blocks, unroll=1):  # dQ's partials
+                tile = group * m_blocks + m_block
+                self._zero_dq_tile(mdQaccum, (batch, head, tile), tidx)
+                if tidx < self.cfg.num_consumer_warpgroups:
+                    mdQorder[batch, head, tile, tidx] = Int32(0)
+        else:
+            self._zero_dq_tile(mdQaccum, (batch, head, m_block), tidx)
+            if cutlass.const_expr(self.cfg.deterministic):
+                if tidx < self.cfg.num_consumer_warpgroups:
+                    mdQorder[batch, head, m_block, tidx] = Int32(0)
+
+    @cute.jit
+    def _zero_dq_tile(self, mdQaccum, at, tidx):
+        batch, head, tile = at
         for i in cutlass.range_constexpr(self.tile_m * self.dqk // WARPGROUP_THREADS):
             flat = tidx + i * WARPGROUP_THREADS
-            mdQaccum[batch, head, m_block * self.tile_m + flat // self.dqk, flat % self.dqk] = Float32(0.0)
-        if cutlass.const_expr(self.cfg.deterministic):
-            if tidx < self.cfg.num_consumer_warpgroups:
-                mdQorder[batch, head, m_block, tidx] = Int32(0)
+            mdQaccum[batch, head, tile * self.tile_m + flat // self.dqk, flat % self.dqk] = Float32(0.0)
 
     @cute.kernel
     def postprocess(self, mdQaccum, mdQ):
-        """mdQ (B, Sq, H, D) = softmax_scale * mdQaccum (B, H, Sq_pad, D_pad), rounded."""
+        """mdQ (B, Sq, H, D) = softmax_scale * mdQaccum (B, H, groups x Sq_pad, D_pad), its
+        groups' partials added in group order (one group without dq_grouped_turns), rounded."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q, d = mdQ.shape[1], self.cfg.head_dim
         scale = Float32(self.cfg.softmax_scale)
+        if cutlass.const_expr(self.cfg.dq_grouped_turns):
+            rows = cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m  # a group's
+            groups = mdQaccum.shape[2] // rows
         for i in cutlass.range_constexpr(self.tile_m * self.dqk // WARPGROUP_THREADS):
             flat = tidx + i * WARPGROUP_THREADS
             row, col = m_block * self.tile_m + flat // self.dqk, flat % self.dqk
             if row < seqlen_q:
+                total = mdQaccum[batch, head, row, col]
+                if cutlass.const_expr(self.cfg.dq_grouped_turns):
+                    for group in cutlass.range(1, groups, unroll=1):
+                        total += mdQaccum[batch, head, group * rows + row, col]
                 if cutlass.const_expr(self.dqk == d):
-                    mdQ[batch, row, head, col] = (mdQaccum[batch, head, row, col] * scale).to(mdQ.element_type)
+                    mdQ[batch, row, head, col] = (total * scale).to(mdQ.element_type)
                 elif col < d:
-                    mdQ[batch, row, head, col] = (mdQaccum[batch, head, row, col] * scale).to(mdQ.element_type)
+                    mdQ[batch, row, head, col] = (total * scale).to(mdQ.element_type)

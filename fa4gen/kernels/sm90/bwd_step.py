@@ -21,7 +21,10 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
    tiles' sums in a fixed order (descending under a right bound, whose higher key tiles reach a
    query tile first and launch first; else ascending: Sm90BwdConfig.dq_descending): a semaphore
    per (query tile, share) counts the tiles added, and a key tile passes its turn once its sum
-   has landed.
+   has landed. With dq_grouped_turns the turns at a query tile are dealt round-robin over the
+   run-time count of dQ groups (the workspaces' extent: backward.dq_groups), each summed into its own partial
+   accumulator (a virtual query tile g x m_blocks + m_block) with its own semaphore, so the
+   chain of turns is 1/groups as long; the postprocess adds the partials in group order.
 """
 
 from __future__ import annotations
@@ -601,7 +604,16 @@ class Sm90BwdStep:
             stage = step % self.dq_stages
             at = (first_head + step // count, batch, self.query_tile(where, step % count, sizes[2]))
             turn = Int32(0)
-            if cutlass.const_expr(self.cfg.deterministic):
+            if cutlass.const_expr(self.cfg.dq_grouped_turns):
+                # the turn's group (round-robin) sums into its own partial: the tile's virtual
+                # query tile, whose semaphore counts that group's turns (the counts worked out
+                # per step: held over the loop they spilled the writer's 24 registers)
+                m_blocks = cute.ceil_div(sizes[0], self.tile_m)
+                groups = semaphores.shape[2] // m_blocks  # the host's dq_groups
+                order = self.dq_turn(where, step % count, at[2], sizes)
+                turn = order // groups
+                at = (at[0], at[1], at[2] + order % groups * m_blocks)
+            elif cutlass.const_expr(self.cfg.deterministic):
                 turn = self.dq_turn(where, step % count, at[2], sizes)
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_STAGED) + stage, number_of_threads=threads)
             # (a loop, not unrolled: both shares' TMA addresses at once spilled the 24-register warp)
@@ -619,8 +631,8 @@ class Sm90BwdStep:
 
     @cute.jit
     def _await_dq_turn(self, semaphores, at, share: Int32, turn: Int32):
-        """Spin until ``turn`` key tiles have added warpgroup ``share``'s part of this query tile's
-        dQ, then order this warp's reduce-add after theirs."""
+        """Spin until ``turn`` key tiles have added warpgroup ``share``'s part of this (virtual)
+        query tile's dQ, then order this warp's reduce-add after theirs."""
         head, batch, m_block = at
         flag = semaphores.iterator + cute.crd2idx((batch, head, m_block, share), semaphores.layout)
         seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")

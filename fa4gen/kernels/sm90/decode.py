@@ -16,7 +16,7 @@ softmax still follows the P.V (decision decode-q-registers).
 Each batch entry's keys end at its own cache length (``seqused_k``, at most the cache's Sk):
 masks and score modifiers see that length as Sk, and query row i sits at key position
 i + length - Sq. The visible key tiles of a query tile are split evenly over ``num_splits`` CTAs
-(a run-time value, fa4gen.kernels.sm90.decode_config.decode_splits). With one split the CTA
+(a run-time value, fa4gen.kernels.sm90.decode_splits). With one split the CTA
 writes O and the LSE; with more, each writes its normalised partial O (fp32) and LSE and counts
 itself into its query tile's counter, and the last of them to count in merges the tile's
 partials by their LSE, adding the sink there, and lowers the counter again for the next launch

@@ -6,7 +6,7 @@ query head in the group), 64 rows per consumer warpgroup, so every K/V tile is r
 group and tile, not once per query head; the keys of a (batch, KV head) may be split over
 several CTAs (split-KV), whose partial outputs the last of them to finish merges by their LSE.
 The split count is a run-time argument (the host picks it from the problem size and the SM
-count: ``decode_splits``), never a recompile. A paged config reads K/V from a page pool through
+count: fa4gen.kernels.sm90.decode_splits), never a recompile. A paged config reads K/V from a page pool through
 a page table, whose page size (a multiple of PAGE_BOX) is a run-time value.
 
 Like config.py this module imports no CuTe DSL: the planner, ``fa4gen.build`` and the kernel's
@@ -23,9 +23,6 @@ from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M, Arch
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 MAX_SPLITS = 128  # split-KV partials per (batch, KV head, query tile)
-UNSPLIT_FILL = 0.45  # a launch of this share of the slots in CTAs runs unsplit ...
-LONG_RUN_TILES = 128  # ... unless each CTA's run has at least this many key tiles
-PAGED_LONG_RUN_TILES = 32  # (paged: between the 16 measured unsplit-faster and the 64 split-faster)
 PAGE_BOX = 16  # keys per TMA box of a paged cache: the smallest page size (vLLM's default)
 PAGED_UNROLLED_PRODUCER_REGS = 32  # an unrolled page walk's addresses spilled at 24
 
@@ -104,33 +101,3 @@ def counter_tiles(seqlen_q: int, qhead_per_kvhead: int) -> int:
     """Split counters per (batch entry, KV head): one per 64 packed rows (a consumer warpgroup's
     rows), whatever the tile holds."""
     return max(math.ceil(seqlen_q * qhead_per_kvhead / WGMMA_M), 1)
-
-
-def decode_splits(
-    batch: int,
-    kv_heads: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    qhead_per_kvhead: int,
-    tile_m: int,
-    tile_n: int,
-    slots: int,
-    paged: bool = False,
-) -> int:
-    """How many CTAs share the keys of one (batch, KV head, query tile): enough to fill the
-    ``slots`` (the runtime passes the SM count: one CTA per SM measured faster than one per CTA
-    slot, decision decode-kernel), no more than leaves each at least four key tiles (shorter
-    runs pay more for their prologue, epilogue and partial than they save), and one where the
-    launch already fills most slots, or half of them with runs shorter than LONG_RUN_TILES
-    (PAGED_LONG_RUN_TILES over a paged cache): two splits then cost their partials and merge and
-    gain little (one split beat two at 64 CTAs on 132 SMs in 6 of 7 contiguous cells of at most 64
-    key tiles; paged, at 16 key tiles but not at 64, whose 16-key boxes keep fewer bytes in flight
-    per CTA: decision decode-q-registers), while longer runs are bound by HBM, which half the SMs
-    do not saturate."""
-    tiles = math.ceil(seqlen_q * qhead_per_kvhead / tile_m)  # packed query tiles per KV head
-    ctas = max(batch * kv_heads * tiles, 1)
-    key_tiles = max(math.ceil(seqlen_k / tile_n), 1)
-    long_run = PAGED_LONG_RUN_TILES if paged else LONG_RUN_TILES
-    if ctas >= slots * 0.8 or (ctas >= slots * UNSPLIT_FILL and key_tiles < long_run):
-        return 1
-    return max(1, min(slots // ctas, key_tiles // 4, MAX_SPLITS))
