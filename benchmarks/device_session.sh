@@ -4,7 +4,10 @@
 #
 #   bash benchmarks/device_session.sh warm [LABELS]    # here (CPU): fill .devcache, about 15 min;
 #                                                      # LABELS: schedule_options rows to add,
-#                                                      # or `tests`: the GPU tests' kernels only
+#                                                      # or `tests`: the GPU tests' kernels only,
+#                                                      # or `pending`: what the parts dettests,
+#                                                      # decodetests, detgroups, splits and decode
+#                                                      # need (about 15 min, 32 MiB)
 #   device call 1, carry .devfull/a:                    bash .devfull/a/unpack.sh
 #   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
 #       bash benchmarks/device_session.sh run PARTS [SEQLENS LABELS]
@@ -21,6 +24,10 @@
 # a row; rows rank options only past this machine's 20% first-timing spread: decide with
 # `schedule_options.py ab SEQLENS A,B` and again with B,A), ab (default against each of LABELS
 # in both orders, combined; AB_SPEC: a regular expression the specs' summaries must match).
+# dettests (tests/test_gpu_bwd.py's deterministic cases, grouped turns included, det-tests.log),
+# detgroups (deterministic mode's cost, its plan with dq_grouped_turns at each dQ group count:
+# DET_MATCH cells, det-groups.json/.md), splits (benchmarks/decode_splits.py --rule, splits.txt),
+# firstcall (benchmarks/first_call.py, needs .devfull; FIRST_CALL_LIMIT seconds, first-call.*).
 # Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over calls
 # made while the machine is warm (each later call only re-sources the setup). DEVCACHE names the
 # cache folder (default .devcache): a smaller one (.devbench: the decode kernels) fits one call
@@ -30,11 +37,21 @@ cd "$(dirname "$0")/.."
 DEVCACHE="${DEVCACHE:-.devcache}"
 CACHE="$DEVCACHE/kernels"
 
+# deterministic mode's cells (benchmarks/backward.py --grid quick): dense and causal d96, causal d128
+DET_MATCH="${DET_MATCH:-d96,d128 causal,d128 gqa4 causal}"
+
 warm() {
     rm -rf "$DEVCACHE" && mkdir -p "$CACHE"
     # every warm below writes the same cache: one after the other, never two at once
-    python tests/warm_gpu_cache.py "$CACHE"
-    if [ "${1:-}" != "tests" ]; then  # `warm tests`: only what the GPU tests need
+    if [ "${1:-}" = "pending" ]; then
+        python tests/warm_gpu_cache.py --deterministic --decode "$CACHE"
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/backward.py warm --deterministic \
+            --plan dq_grouped_turns=true --match "$DET_MATCH"
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/decode.py warm --grid full
+    else
+        python tests/warm_gpu_cache.py "$CACHE"
+    fi
+    if [ "${1:-}" != "tests" ] && [ "${1:-}" != "pending" ]; then  # `warm tests`: only what the GPU tests need
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/run.py warm --grid full
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/variants.py warm
         if [ -n "${1:-}" ]; then
@@ -52,7 +69,8 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > "$DEVCACHE/toolch
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,decodetests,decode,grid,variants,profile,schedule,ab}," seqlens="${2:-}" labels="${3:-}"
+    local parts=",${1:?PARTS: tests,decodetests,dettests,detgroups,splits,firstcall,decode,grid,variants,profile,schedule,ab},"
+    local seqlens="${2:-}" labels="${3:-}"
     # the full DSL and the peers where .devfull/b came (in this call or an earlier one), else the runtime
     local setup=.devrt/setup.sh
     [ -f .devfull/b/setup.sh ] && setup=.devfull/b/setup.sh
@@ -71,6 +89,26 @@ run() {
     if [[ $parts == *,decodetests,* ]]; then
         python3 -m pytest tests/test_gpu_decode.py -m gpu -q -p no:cacheprovider > "$OUT/decode-tests.log" 2>&1 || true
         tail -n 1 "$OUT/decode-tests.log"
+    fi
+    if [[ $parts == *,dettests,* ]]; then
+        python3 -m pytest tests/test_gpu_bwd.py -k deterministic -m gpu -q -p no:cacheprovider \
+            > "$OUT/det-tests.log" 2>&1 || true
+        tail -n 1 "$OUT/det-tests.log"
+    fi
+    if [[ $parts == *,detgroups,* ]]; then
+        python3 benchmarks/backward.py run --deterministic --plan dq_grouped_turns=true --dq-groups 1,2,4,8 \
+            --match "$DET_MATCH" --out "$OUT/det-groups.json" > "$OUT/det-groups.txt" 2>&1 || true
+        python3 benchmarks/backward.py report "$OUT/det-groups.json" > "$OUT/det-groups.md" || true
+        tail -n 6 "$OUT/det-groups.md"
+    fi
+    if [[ $parts == *,splits,* ]]; then
+        python3 benchmarks/decode_splits.py --rule --out "$OUT/splits.json" > "$OUT/splits.txt" 2>&1 || true
+        tail -n 12 "$OUT/splits.txt"
+    fi
+    if [[ $parts == *,firstcall,* ]]; then  # compiles on the GPU machine: needs .devfull (both calls)
+        python3 benchmarks/first_call.py --variants a,b --repeat 3 --both-repeat 1 --import-repeat 7 \
+            --time-limit "${FIRST_CALL_LIMIT:-450}" --out "$OUT/first-call.json" > "$OUT/first-call.txt" 2>&1 || true
+        tail -n 30 "$OUT/first-call.txt"
     fi
     if [[ $parts == *,decode,* ]]; then
         python3 benchmarks/decode.py run --grid "${DECODE_GRID:-quick}" --match "${DECODE_MATCH:-}" \

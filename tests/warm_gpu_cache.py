@@ -1,6 +1,9 @@
 """Compile every kernel the GPU tests need into a cache directory (runs without a GPU).
 
 python tests/warm_gpu_cache.py .devcache/kernels
+python tests/warm_gpu_cache.py --backward .devcache/kernels       # tests/test_gpu_bwd.py's kernels
+python tests/warm_gpu_cache.py --deterministic .devcache/kernels  # its deterministic cases' kernels
+python tests/warm_gpu_cache.py --decode .devcache/kernels         # tests/test_gpu_decode.py's kernels
 """
 
 from __future__ import annotations
@@ -74,13 +77,25 @@ def main(cache_dir: str) -> None:
     warm_backward(cache_dir)
 
 
-def warm_backward(cache_dir: str) -> None:
+def warm_decode(cache_dir: str) -> None:
+    """The decode tests' kernels (each spec's decode and forward kernels)."""
+    for name, spec in decode_specs().items():
+        started = time.perf_counter()
+        result = fa4gen.build(spec, "sm_90a", cache_dir=cache_dir)
+        state = "compiled" if result.any_built_now else "cached"
+        print(f"decode/{name:21} {state:8} {time.perf_counter() - started:6.2f} s  {result.key[:12]}", flush=True)
+
+
+def warm_backward(cache_dir: str, deterministic_only: bool = False) -> None:
     """The backward tests' kernels: each spec's training forward (with its LSE) and backward, and
-    the plain forward of the specs the tests run through autograd."""
+    the plain forward of the specs the tests run through autograd (``deterministic_only``: the
+    deterministic cases', and test_deterministic_dk_dv's)."""
     from fa4gen.api import training_spec
     from fa4gen.planner import backward_plan
 
     for name, spec in backward_specs().items():
+        if deterministic_only and not (spec.deterministic or name == "d128-gqa4-causal"):
+            continue
         started = time.perf_counter()
         with_lse = training_spec(spec)
         forward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir)
@@ -94,7 +109,13 @@ def warm_backward(cache_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if "--backward" in sys.argv:
-        warm_backward(next((a for a in sys.argv[1:] if not a.startswith("--")), ".devcache/kernels"))
-    else:
-        main(sys.argv[1] if len(sys.argv) > 1 else ".devcache/kernels")
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    target = next((a for a in sys.argv[1:] if not a.startswith("--")), ".devcache/kernels")
+    if flags - {"--backward", "--deterministic", "--decode"}:
+        raise SystemExit(f"unknown flags {sorted(flags)}: --backward, --deterministic, --decode or none")
+    if "--backward" in flags or "--deterministic" in flags:
+        warm_backward(target, deterministic_only="--backward" not in flags)
+    if "--decode" in flags:
+        warm_decode(target)
+    if not flags:
+        main(target)
