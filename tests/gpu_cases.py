@@ -390,8 +390,7 @@ def grouped_turns_plan(spec: AttentionSpec):
     from fa4gen.api import training_spec
     from fa4gen.planner import backward_plan
 
-    plan = backward_plan(training_spec(spec))
-    return plan.model_copy(update={"config": plan.config.model_copy(update={"dq_grouped_turns": True})})
+    return backward_plan(training_spec(spec)).with_config("the GPU tests", dq_grouped_turns=True)
 
 
 DETERMINISTIC_CASES = (

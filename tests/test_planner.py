@@ -1237,7 +1237,7 @@ def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     # dQ groups: the accumulator's rows and the semaphores' query tiles repeat per group
     with pytest.raises(AssertionError, match="dq_grouped_turns"):
         backward_workspace_shapes(ordered, 3, 8, 1000, 2)
-    grouped = ordered.model_copy(update={"config": ordered.config.model_copy(update={"dq_grouped_turns": True})})
+    grouped = ordered.with_config("a test", dq_grouped_turns=True)
     assert backward_workspace_shapes(grouped, 3, 8, 1000, 3) == {
         **rows,
         "dq_accum": (3, 8, 3072, 96),
@@ -1258,7 +1258,7 @@ def test_a_deterministic_backward_deals_its_dq_turns_over_groups_by_key_tiles():
     assert not planned.config.dq_grouped_turns and dq_groups(planned, 1 << 20) == 1
     grouped = {"dq_grouped_turns": True}
     assert "needs deterministic" in bwd_config_problem(plain.config.model_copy(update=grouped))
-    ordered = planned.model_copy(update={"config": planned.config.model_copy(update=grouped)})
+    ordered = planned.with_config("a test", **grouped)
     assert bwd_config_problem(ordered.config) == ""
     tile_n = ordered.config.tile_n
     assert dq_groups(plain, 1 << 20) == 1

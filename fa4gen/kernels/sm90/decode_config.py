@@ -6,8 +6,8 @@ query head in the group), 64 rows per consumer warpgroup, so every K/V tile is r
 group and tile, not once per query head; the keys of a (batch, KV head) may be split over
 several CTAs (split-KV), whose partial outputs the last of them to finish merges by their LSE.
 The split count is a run-time argument (the host picks it from the problem size and the SM
-count: fa4gen.kernels.sm90.decode_splits), never a recompile. A paged config reads K/V from a page pool through
-a page table, whose page size (a multiple of PAGE_BOX) is a run-time value.
+count: fa4gen.kernels.sm90.decode_splits), never a recompile. A paged config reads K/V from a
+page pool through a page table, whose page size (a multiple of PAGE_BOX) is a run-time value.
 
 Like config.py this module imports no CuTe DSL: the planner, ``fa4gen.build`` and the kernel's
 constructor all call ``decode_config_problem``.
