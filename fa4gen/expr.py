@@ -455,8 +455,8 @@ def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str
         if node.kind == "not":  # bitwise on 1-bit values: no short-circuit branches per score
             return f"(~cutlass.Boolean({args[0]}))"
         if node.kind == "bin":
-            if node.value == "/":
-                return f"(Float32({args[0]}) / Float32({args[1]}))"
+            if node.value == "/":  # div.full: 2 ulp, no slow-path subroutine (whose call spills registers)
+                return f"cute.math.div(Float32({args[0]}), Float32({args[1]}), full=True)"
             return f"({args[0]} {node.value} {args[1]})"
         if node.kind == "cmp":
             return f"({args[0]} {node.value} {args[1]})"

@@ -265,6 +265,30 @@ def test_sass_has_hgmma_and_no_spills(every_artifact):
         assert arrive * 2 < hgmma, f"{name}: {arrive} warpgroup arrives for {hgmma} HGMMA: wgmma serialized"
 
 
+def test_expression_division_is_straight_line_code(warm_cache):
+    """An expression's `/` renders as div.full.f32 (decision expression-division): a plain
+    float32 division's slow path is a called subroutine, and the call spilled 28 registers in
+    this forward (192 CALLs)."""
+    import fa4gen
+
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    root, _ = warm_cache
+    spec = fa4gen.AttentionSpec(
+        head_dim=128,
+        qhead_per_kvhead=4,
+        causal=True,
+        score_mod={"kind": "expression", "expr": "score + (kv_idx - q_idx) / seqlen_k"},
+    )
+    result = fa4gen.build(spec, "sm_90a", cache_dir=root, kernel_plan=fa4gen.plan(spec, "sm_90a"))
+    assert "div.full.f32" in (result.entry.path / "kernel.ptx").read_text()
+    sass = subprocess.run(
+        [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+    ).stdout
+    assert not re.findall(r"\b(?:STL|LDL|CALL\.\S+)\b", sass), "a division left a call or spills"
+
+
 def _qk_steps_with_carry(sass: str) -> int:
     """Q.K^T HGMMAs (A and B both shared-memory descriptors) that continue a chain of k-blocks
     and were preceded, since the previous HGMMA, by a 64-bit add with carry (UIADD3.X)."""

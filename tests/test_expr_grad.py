@@ -79,7 +79,7 @@ GOLDEN = [
         ["cute.math.exp"],
     ),
     ("max(score, -5.0)", "where(score > -5.0, 1.0, where(score < -5.0, 0.0, 0.5))", ["cutlass.select_"]),
-    ("log(1 + score * score)", "2 * score / (1 + score * score)", ["/ Float32("]),
+    ("log(1 + score * score)", "2 * score / (1 + score * score)", ["cute.math.div("]),
     ("exp2(score) - 1.0", "0.6931471805599453 * exp2(score)", ["cute.math.exp2"]),
     ("abs(score)", "where(score > 0.0, 1.0, where(score < 0.0, -1.0, 0.0))", ["cutlass.select_"]),
     ("cap * tanh(score / cap)", "1.0 - tanh(score / cap) * tanh(score / cap)", ["cute.math.tanh"]),
