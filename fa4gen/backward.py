@@ -21,17 +21,13 @@ from fa4gen.planner import Plan, backward_workspace_shapes
 from fa4gen.runtime import (
     BlockMaskCache,
     DocumentTableCache,
-    _check_output,
-    _check_tensor,
-    _packed_as_batch,
     document_query_ranges,
     multiprocessor_count,
     tables_can_build,
-    tma_aligned,
-    validate_inputs,
     variant_arguments,
 )
 from fa4gen.spec import AttentionSpec
+from fa4gen.tensor_checks import check_output, check_tensor, packed_as_batch, tma_aligned, validate_inputs
 from fa4gen.variants import grad_name, lower
 
 GRADS = ("dq", "dk", "dv")
@@ -86,12 +82,12 @@ class BackwardKernel:
 
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v)
         o_shape, lse_shape = (batch, seqlen_q, heads_q, self.spec.dv), (batch, heads_q, seqlen_q)
-        _check_output("out", out, o_shape, q.dtype, q.device)
+        check_output("out", out, o_shape, q.dtype, q.device)
         if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != o_shape or dout.dtype != q.dtype:
             raise ValueError(f"dout must be a tensor of shape {o_shape} and dtype {q.dtype}, got {_described(dout)}")
         dout = _contiguous_rows(dout)
-        _check_tensor("dout", dout, self.spec, self.spec.dv)
-        _check_output("lse", lse, lse_shape, torch.float32, q.device)
+        check_tensor("dout", dout, self.spec, self.spec.dv)
+        check_output("lse", lse, lse_shape, torch.float32, q.device)
         if dlse is None:
             dlse = torch.zeros(lse_shape, dtype=torch.float32, device=q.device)
         elif not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != lse_shape or dlse.device != q.device:
@@ -102,7 +98,7 @@ class BackwardKernel:
             if given is None:
                 given = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             else:
-                _check_output(name, given, tuple(t.shape), t.dtype, t.device)
+                check_output(name, given, tuple(t.shape), t.dtype, t.device)
             grads.append(given)
         dq, dk, dv = grads
         given = {name: variant.pop(name, None) for name in VARIANT_TENSORS}
@@ -284,7 +280,7 @@ def sink_gradient(sinks, lse_log2, dpsum):
 
 def _packed(name: str, t: Any):
     """A packed (total, H, D) tensor as the kernel's (1, total, H, D); None stays None."""
-    return None if t is None else _packed_as_batch(name, t)
+    return None if t is None else packed_as_batch(name, t)
 
 
 def _described(t: Any) -> str:

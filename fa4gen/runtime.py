@@ -25,18 +25,24 @@ from fa4gen.handles import register
 from fa4gen.kv_cache import (
     cache_capacity,
     check_cache_lengths,
-    check_page_table,
     decode_arguments,
     kept_per_stream,
     unused_block_mask,
 )
 from fa4gen.planner import Plan, SeqlenSplit, split_workspace_shape
 from fa4gen.spec import AttentionSpec
-from fa4gen.variants import Extra, lower, standard_alibi_slopes
+from fa4gen.tensor_checks import (
+    check_extra_tensor,
+    check_output,
+    check_scalar,
+    packed_as_batch,
+    validate_aux_for_mask,
+    validate_inputs,
+)
+from fa4gen.variants import lower, standard_alibi_slopes
 
 RUNTIME_LIB_ENV = "FA4GEN_CUTE_RUNTIME_LIB"  # explicit path to libcute_dsl_runtime.so
 RUNTIME_LIB = "libcute_dsl_runtime.so"
-TENSOR_ALIGN_BYTES = 16
 
 
 @lru_cache(maxsize=None)
@@ -303,7 +309,7 @@ class AttentionKernel:
             raise ValueError("lse= was given, but the spec was compiled without return_lse")
         varlen = self.spec.is_varlen
         if varlen:
-            q, k, v = (_packed_as_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+            q, k, v = (packed_as_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
         batch, seqlen_q, heads_q = validate_inputs(self.spec, q, k, v, page_table)
         given_out, given_lse = out, lse
         out, lse = self._outputs(q, out, lse)
@@ -353,17 +359,17 @@ class AttentionKernel:
         batch, seqlen_q, heads_q = q.shape[:3]
         o_shape, lse_shape = (batch, seqlen_q, heads_q, self.spec.dv), (batch, heads_q, seqlen_q)
         if self.spec.is_varlen:  # outputs keep the packed layout the caller uses; the kernel sees batch 1
-            out = None if out is None else _packed_as_batch("out", out, check=False)
+            out = None if out is None else packed_as_batch("out", out, check=False)
             lse = lse.unsqueeze(0) if isinstance(lse, torch.Tensor) else lse
         if out is None:
             out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
         else:
-            _check_output("out", out, o_shape, q.dtype, q.device)
+            check_output("out", out, o_shape, q.dtype, q.device)
         if self.spec.return_lse:
             if lse is None:
                 lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             else:
-                _check_output("lse", lse, lse_shape, torch.float32, q.device)
+                check_output("lse", lse, lse_shape, torch.float32, q.device)
         return out, lse
 
     def _block_mask_arguments(self, q, k, block_mask, aux) -> dict:
@@ -614,13 +620,6 @@ def _identity(value):
     return ("value", value)
 
 
-def validate_aux_for_mask(spec: AttentionSpec, aux) -> None:
-    """Every scalar and aux tensor the expression mask reads must be given."""
-    missing = sorted(n for n in lower(spec).mask.uses if n in {**spec.aux, **spec.scalars} and n not in (aux or {}))
-    if missing:
-        raise ValueError(f"the expression mask reads {', '.join(missing)}: pass them in aux={{...}}")
-
-
 @lru_cache(maxsize=None)
 def _multiprocessor_count(index: int) -> int:
     import torch
@@ -662,141 +661,12 @@ def split_workspace(plan: Plan, device, num_ctas: int) -> tuple[Any, Any]:
     return kept_per_stream(_SPLIT_WORKSPACES, shape, device, make, lambda kept: kept[1])
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _check_tensor(name: str, t: Any, spec: AttentionSpec, last_dim: int) -> None:
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-    if t.dtype != _torch_dtype(spec.dtype):
-        raise ValueError(f"{name} has dtype {t.dtype}, but the spec is compiled for torch.{spec.dtype}")
-    if t.shape[-1] != last_dim:
-        raise ValueError(f"{name} has head dim {t.shape[-1]}, the spec needs {last_dim}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}")
-    _check_alignment(name, t)
-
-
-def tma_aligned(t: Any) -> bool:
-    """Whether TMA can read ``t``: a 16-byte aligned base and strides (but the last) of 16 bytes."""
-    elems = TENSOR_ALIGN_BYTES // t.element_size()
-    return t.data_ptr() % TENSOR_ALIGN_BYTES == 0 and not any(s % elems for s in t.stride()[:-1])
-
-
-def _check_alignment(name: str, t: Any) -> None:
-    elems = TENSOR_ALIGN_BYTES // t.element_size()
-    if not tma_aligned(t):
-        raise ValueError(
-            f"{name} needs a {TENSOR_ALIGN_BYTES}-byte aligned base and strides that are multiples of "
-            f"{elems} elements (got strides {t.stride()}); call .contiguous() first"
-        )
-
-
-def _check_output(name: str, t: Any, shape: tuple, dtype: Any, device: Any) -> None:
-    import torch
-
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be a tensor of shape {shape} and dtype {dtype}, got {got}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the inputs are on {device}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim")
-    if t.element_size() < 4:  # half-precision outputs share the inputs' 16-byte contract
-        _check_alignment(name, t)
-
-
-def validate_inputs(spec: AttentionSpec, q, k, v, page_table=None) -> tuple[int, int, int]:
-    """Raise ValueError naming the argument if q, k, v (with ``page_table``: k and v a page pool
-    (pages, page size, Hkv, D)) do not fit the spec; return (B, Sq, Hq)."""
-    _check_tensor("q", q, spec, spec.head_dim)
-    _check_tensor("k", k, spec, spec.head_dim)
-    _check_tensor("v", v, spec, spec.dv)
-    if page_table is not None:
-        check_page_table(page_table, q, k, v)
-    elif not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    elif k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same seqlen, got k {k.shape[1]} and v {v.shape[1]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same number of heads, got k {k.shape[2]} and v {v.shape[2]}")
-    if q.shape[2] != k.shape[2] * spec.qhead_per_kvhead:
-        raise ValueError(
-            f"q has {q.shape[2]} heads and k has {k.shape[2]}: the spec needs q heads = "
-            f"{spec.qhead_per_kvhead} x kv heads"
-        )
-    if k.shape[1] == 0 and q.shape[1] > 0:
-        raise ValueError("k and v have seqlen 0: every query needs at least one key")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} is on {t.device}; fa4gen kernels need CUDA tensors")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    return q.shape[0], q.shape[1], q.shape[2]
-
-
 # ----------------------------------------------------------------------------- variant arguments
-def _packed_as_batch(name: str, t: Any, check: bool = True):
-    """A packed (total, H, D) tensor as the kernel's (1, total, H, D)."""
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if check and t.dim() != 3:
-        raise ValueError(
-            f"{name} must be packed as (total_tokens, heads, head_dim) for a document mask, got shape {tuple(t.shape)}"
-        )
-    return t.unsqueeze(0) if t.dim() == 3 else t
-
-
 @lru_cache(maxsize=64)
 def _standard_slopes(heads: int, device: str):
     import torch
 
     return torch.tensor(standard_alibi_slopes(heads), dtype=torch.float32, device=device)
-
-
-def _resolve_dim(dim, sizes: dict[str, int], name: str) -> int:
-    if isinstance(dim, int):
-        return dim
-    if dim not in sizes:
-        raise ValueError(f"{name}: unknown size {dim!r}")
-    return sizes[dim]
-
-
-def _check_extra_tensor(extra: Extra, t: Any, sizes: dict[str, int], device: Any) -> None:
-    import torch
-
-    dtype = {"float32": torch.float32, "int32": torch.int32}[extra.dtype]
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{extra.name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
-    shape = tuple(_resolve_dim(d, sizes, extra.name) for d in extra.shape)
-    if t.dtype != dtype or tuple(t.shape) != shape:
-        raise ValueError(
-            f"{extra.name} must be a {dtype} tensor of shape {shape} "
-            f"({', '.join(map(str, extra.shape))}), got {t.dtype} {tuple(t.shape)}"
-        )
-    if t.device != device:
-        raise ValueError(f"{extra.name} is on {t.device}, the inputs are on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{extra.name} must be contiguous; call .contiguous() first")
-
-
-def _check_scalar(extra: Extra, value: Any):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"scalar {extra.name} must be a number, got {type(value).__name__}")
-    if extra.dtype == "int32":
-        if not isinstance(value, int) or not -(2**31) <= value < 2**31:
-            raise ValueError(f"scalar {extra.name} is int32: got {value!r}")
-        return int(value)
-    return float(value)
 
 
 def variant_arguments(
@@ -849,7 +719,7 @@ def variant_arguments(
                 raise ValueError(
                     f"aux[{extra.name!r}] is missing: the spec declares scalar {extra.name} ({extra.dtype})"
                 )
-            values.append(_check_scalar(extra, aux[extra.name]))
+            values.append(check_scalar(extra, aux[extra.name]))
             continue
         value = aux.get(extra.name) if extra.role == "aux" else given.get(extra.role)
         if extra.role == "aux_grad":  # (the backward's own sums, by argument name)
@@ -864,7 +734,7 @@ def variant_arguments(
             )
         if extra.role == "cu_seqlens_q" and docs < 2:
             raise ValueError("cu_seqlens_q needs at least 2 entries (0 and the total)")
-        _check_extra_tensor(extra, value, sizes, q.device)
+        check_extra_tensor(extra, value, sizes, q.device)
         if extra in extras:
             values.append(value)
     return values

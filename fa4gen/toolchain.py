@@ -96,6 +96,7 @@ HOST_ONLY_MODULES = frozenset(
         "kv_cache.py",
         "ops.py",
         "runtime.py",
+        "tensor_checks.py",
         "testing.py",
         "tuned.py",
         "tuning.py",
