@@ -308,6 +308,38 @@ def _padded(extras: tuple) -> list:
     return list(extras) + [torch.zeros(1, dtype=torch.int32)] * (MAX_EXTRAS - len(extras))
 
 
+@cute.jit
+def _mask_code(kernel, t, i: Int32, n_block: Int32) -> Int32:
+    """The mask code key tile ``i`` (``n_block``) of tile ``t`` runs: 0 none, 1 the end compare
+    alone, 2 the start compare too."""
+    # as sm90.mainloop: the start compare where the tile lies below split_lo (the
+    # first tile and tiles under a run-time flag); the first tile runs the mask
+    # unless the kernel may leave it out and the tile lies below split_hi
+    by_tile = Int32(1)
+    if cutlass.const_expr(not kernel.key_tiles.starts_at_zero):
+        if n_block < t.split_lo:
+            by_tile = Int32(2)
+    flag = Int32(0)
+    if i == 0:
+        flag = by_tile
+        if cutlass.const_expr(kernel.cfg.interior_first_tile):
+            if n_block < t.split_hi:
+                if n_block >= t.split_lo:
+                    flag = Int32(0)
+    if cutlass.const_expr(kernel.cfg.mask_runs):  # the run the tile falls in decides
+        right_end, left_start = kernel.mask_run_bounds(t, 0)
+        if cutlass.const_expr(kernel.has_right_mask):
+            if i > 0:
+                if i < right_end:
+                    flag = Int32(1)  # the right run: the end compare alone
+        if cutlass.const_expr(kernel.has_left_mask):
+            if i >= left_start:
+                flag = Int32(2)
+    elif kernel.needs_mask(None, t, i, n_block):
+        flag = by_tile
+    return flag
+
+
 def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple):
     """Per (batch, query tile): the visited key tiles in order, the mask code each runs (0: none,
     1: the end compare alone, 2: the start compare too), and (n_min, n_max, then per consumer
@@ -363,32 +395,7 @@ def _key_tiles(kernel, seqlen_q: int, seqlen_k: int, batches: int, extras: tuple
                 for i in cutlass.range(t.n_count, unroll=1):
                     n_block = kernel.key_block(t, i, sizes.args)
                     visit[row, i] = n_block
-                    # as sm90.mainloop: the start compare where the tile lies below split_lo (the
-                    # first tile and tiles under a run-time flag); the first tile runs the mask
-                    # unless the kernel may leave it out and the tile lies below split_hi
-                    by_tile = Int32(1)
-                    if cutlass.const_expr(not kernel.key_tiles.starts_at_zero):
-                        if n_block < t.split_lo:
-                            by_tile = Int32(2)
-                    flag = Int32(0)
-                    if i == 0:
-                        flag = by_tile
-                        if cutlass.const_expr(kernel.cfg.interior_first_tile):
-                            if n_block < t.split_hi:
-                                if n_block >= t.split_lo:
-                                    flag = Int32(0)
-                    if cutlass.const_expr(kernel.cfg.mask_runs):  # the run the tile falls in decides
-                        right_end, left_start = kernel.mask_run_bounds(t, 0)
-                        if cutlass.const_expr(kernel.has_right_mask):
-                            if i > 0:
-                                if i < right_end:
-                                    flag = Int32(1)  # the right run: the end compare alone
-                        if cutlass.const_expr(kernel.has_left_mask):
-                            if i >= left_start:
-                                flag = Int32(2)
-                    elif kernel.needs_mask(None, t, i, n_block):
-                        flag = by_tile
-                    masked[row, i] = flag
+                    masked[row, i] = _mask_code(kernel, t, i, n_block)
 
     run(
         from_dlpack(visit),
