@@ -27,7 +27,9 @@
 # dettests (tests/test_gpu_bwd.py's deterministic cases, grouped turns included, det-tests.log),
 # detgroups (deterministic mode's cost, its plan with dq_grouped_turns at each dQ group count:
 # DET_MATCH cells, det-groups.json/.md), splits (benchmarks/decode_splits.py --rule, splits.txt),
-# firstcall (benchmarks/first_call.py, needs .devfull; FIRST_CALL_LIMIT seconds, first-call.*).
+# firstcall (benchmarks/first_call.py, needs .devfull; FIRST_CALL_LIMIT seconds, first-call.*),
+# splitcells (decode_splits.py's CELLS, splits-cells.txt), importtime (`python -X importtime` of
+# `import fa4gen` three times, and the device's memory clock and bus width, device-props.txt).
 # Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over calls
 # made while the machine is warm (each later call only re-sources the setup). DEVCACHE names the
 # cache folder (default .devcache): a smaller one (.devbench: the decode kernels) fits one call
@@ -69,7 +71,7 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > "$DEVCACHE/toolch
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,decodetests,dettests,detgroups,splits,firstcall,decode,grid,variants,profile,schedule,ab},"
+    local parts=",${1:?PARTS: tests,decodetests,dettests,detgroups,splits,splitcells,importtime,firstcall,decode,grid,variants,profile,schedule,ab},"
     local seqlens="${2:-}" labels="${3:-}"
     # the full DSL and the peers where .devfull/b came (in this call or an earlier one), else the runtime
     local setup=.devrt/setup.sh
@@ -104,6 +106,17 @@ run() {
     if [[ $parts == *,splits,* ]]; then
         python3 benchmarks/decode_splits.py --rule --out "$OUT/splits.json" > "$OUT/splits.txt" 2>&1 || true
         tail -n 12 "$OUT/splits.txt"
+    fi
+    if [[ $parts == *,splitcells,* ]]; then  # the split counts of decode_splits.py's CELLS (B 8 among them)
+        python3 benchmarks/decode_splits.py --out "$OUT/splits-cells.json" > "$OUT/splits-cells.txt" 2>&1 || true
+        tail -n 13 "$OUT/splits-cells.txt"
+    fi
+    if [[ $parts == *,importtime,* ]]; then  # where `import fa4gen` spends its time on this host
+        python3 -c "import torch; p = torch.cuda.get_device_properties(0); \
+print(p.name, 'memory clock kHz', p.memory_clock_rate, 'bus bits', p.memory_bus_width)" > "$OUT/device-props.txt" 2>&1 || true
+        local i
+        for i in 1 2 3; do python3 -X importtime -c "import torch, fa4gen" 2> "$OUT/importtime-$i.txt" || true; done
+        grep -E "\| fa4gen$|\| tvm_ffi$" "$OUT/importtime-3.txt" || true
     fi
     if [[ $parts == *,firstcall,* ]]; then  # compiles on the GPU machine: needs .devfull (both calls)
         python3 benchmarks/first_call.py --variants a,b --repeat 3 --both-repeat 1 --import-repeat 7 \
