@@ -436,17 +436,22 @@ _CUTE_FUNCTIONS = {"exp": "cute.math.exp", "exp2": "cute.math.exp2", "log": "cut
 
 def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str:
     """CuTe DSL source for the expression (Float32 / Int32 arithmetic). ``names`` maps variable,
-    scalar and aux names to the identifiers they have in the emitted function."""
+    scalar and aux names to the identifiers they have in the emitted function.
+
+    A division renders as ``div.full.f32`` (within 2 ulp, straight-line code: IEEE ``div.rn.f32``'s
+    slow path is a called subroutine, whose call spills registers; decision expression-division),
+    except under a comparison, where a mask's decision at an exact quotient (``kv_idx / 3 <= 2``)
+    must come out as the reference's does: there it stays IEEE."""
     names = dict(names or {})
 
-    def walk(node: Node) -> str:
+    def walk(node: Node, compared: bool = False) -> str:
         if node.kind == "const":
             if node.type == "bool":
                 return repr(node.value)
             return f"Float32({node.value!r})" if node.type == "float" else f"Int32({node.value})"
         if node.kind == "var":
             return names.get(node.value, node.value)
-        args = [walk(arg) for arg in node.args]
+        args = [walk(arg, compared or node.kind == "cmp") for arg in node.args]
         if node.kind in ("bin", "cmp", "call") and any(a.type == "float" for a in node.args):
             # mixed int/float operands: convert the ints explicitly, as Python would implicitly
             args = [f"Float32({code})" if a.type == "int" else code for a, code in zip(node.args, args)]
@@ -455,7 +460,9 @@ def render_cute(expr: Expression, names: Mapping[str, str] | None = None) -> str
         if node.kind == "not":  # bitwise on 1-bit values: no short-circuit branches per score
             return f"(~cutlass.Boolean({args[0]}))"
         if node.kind == "bin":
-            if node.value == "/":  # div.full: 2 ulp, no slow-path subroutine (whose call spills registers)
+            if node.value == "/" and compared:
+                return f"(Float32({args[0]}) / Float32({args[1]}))"
+            if node.value == "/":
                 return f"cute.math.div(Float32({args[0]}), Float32({args[1]}), full=True)"
             return f"({args[0]} {node.value} {args[1]})"
         if node.kind == "cmp":

@@ -165,7 +165,26 @@ def test_rendered_cute_code_cross_compiles(tmp_path):
         "softcap": "cap * tanh(score / cap)",
         "causal_or_local": "where(kv_idx <= q_idx and q_idx - kv_idx < 4, score, score - 1000.0)",
         "mixed": "max(min(score, 2.0), -2.0) + exp2(score) * (q_idx // 2)",
+        "divided": "where(kv_idx / 3 <= q_idx / 3, score / cap, score)",
     }
     rendered = {name: render_cute(parse(text, scalars={"cap": "float"}, aux=aux)) for name, text in texts.items()}
     assert "cute.math.tanh" in rendered["softcap"] and "cutlass.select_" in rendered["causal_or_local"]
     assert _compile_rendered(tmp_path, rendered) is not None
+
+
+@pytest.mark.parametrize(
+    "text, straight_line, ieee",
+    [
+        ("score / cap", 1, 0),
+        ("score + (kv_idx - q_idx) / seqlen_k", 1, 0),
+        ("kv_idx / 3 <= 2", 0, 1),  # a mask's decision at an exact quotient stays the reference's
+        ("where(kv_idx / 3 <= q_idx / 3, score / cap, score)", 1, 2),
+    ],
+)
+def test_divisions_render_straight_line_except_under_comparisons(text, straight_line, ieee):
+    """Decision expression-division: div.full.f32 (no slow-path call) for values, IEEE division
+    where the quotient is compared."""
+    condition = "<=" in text and not text.startswith("where")
+    source = render_cute(parse(text, scalars={"cap": "float"}, result="condition" if condition else "number"))
+    assert source.count("full=True") == straight_line
+    assert source.count(") / Float32(") == ieee
