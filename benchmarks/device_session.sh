@@ -7,7 +7,9 @@
 #                                                      # or `tests`: the GPU tests' kernels only,
 #                                                      # or `pending`: what the parts dettests,
 #                                                      # decodetests, detgroups, splits and decode
-#                                                      # need (about 15 min, 32 MiB)
+#                                                      # need (about 15 min, 32 MiB),
+#                                                      # or `transposed`: what the part transposed
+#                                                      # needs (about 6 min, 14 MiB)
 #   device call 1, carry .devfull/a:                    bash .devfull/a/unpack.sh
 #   device call 2 (within 30 s), carry .devfull/b .devrt .devcache:
 #       bash benchmarks/device_session.sh run PARTS [SEQLENS LABELS]
@@ -28,7 +30,9 @@
 # detgroups (deterministic mode's cost, its plan with dq_grouped_turns at each dQ group count:
 # DET_MATCH cells, det-groups.json/.md), splits (benchmarks/decode_splits.py --rule, splits.txt),
 # firstcall (benchmarks/first_call.py, needs .devfull; FIRST_CALL_LIMIT seconds, first-call.*),
-# splitcells (decode_splits.py's CELLS, splits-cells.txt), importtime (`python -X importtime` of
+# splitcells (decode_splits.py's CELLS, splits-cells.txt), transposed (the backward computed
+# transposed, dkv_split t: its GPU tests, t-tests.log, and its A/B against the default plan on
+# the d192/128 cells, t-ab.json/.md), importtime (`python -X importtime` of
 # `import fa4gen` three times, and the device's memory clock and bus width, device-props.txt).
 # Everything lands under $OUT with env.txt. A call may run 600 s: split the parts over calls
 # made while the machine is warm (each later call only re-sources the setup). DEVCACHE names the
@@ -41,6 +45,8 @@ CACHE="$DEVCACHE/kernels"
 
 # deterministic mode's cells (benchmarks/backward.py --grid quick): dense and causal d96, causal d128
 DET_MATCH="${DET_MATCH:-d96,d128 causal,d128 gqa4 causal}"
+# the transposed backward's plan (gpu_cases.transposed_plan) and the cells its A/B times
+TRANSPOSED_PLAN="dkv_split=t,keys_per_warpgroup=48"
 
 warm() {
     rm -rf "$DEVCACHE" && mkdir -p "$CACHE"
@@ -50,10 +56,13 @@ warm() {
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/backward.py warm --deterministic \
             --plan dq_grouped_turns=true --match "$DET_MATCH"
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/decode.py warm --grid full
+    elif [ "${1:-}" = "transposed" ]; then
+        python tests/warm_gpu_cache.py --transposed "$CACHE"
+        FA4GEN_CACHE_DIR="$CACHE" python benchmarks/backward.py warm --grid full --plan "$TRANSPOSED_PLAN" --match d192
     else
         python tests/warm_gpu_cache.py "$CACHE"
     fi
-    if [ "${1:-}" != "tests" ] && [ "${1:-}" != "pending" ]; then  # `warm tests`: only what the GPU tests need
+    if [ "${1:-}" != "tests" ] && [ "${1:-}" != "pending" ] && [ "${1:-}" != "transposed" ]; then  # `warm tests`: only what the GPU tests need
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/run.py warm --grid full
         FA4GEN_CACHE_DIR="$CACHE" python benchmarks/variants.py warm
         if [ -n "${1:-}" ]; then
@@ -71,7 +80,7 @@ print(f\"cutlass-dsl={t['cutlass_dsl']},cuda={t['cuda']}\")" > "$DEVCACHE/toolch
 
 run() {
     : "${OUT:?run on the device machine, where \$OUT is set}"
-    local parts=",${1:?PARTS: tests,decodetests,dettests,detgroups,splits,splitcells,importtime,firstcall,decode,grid,variants,profile,schedule,ab},"
+    local parts=",${1:?PARTS: tests,decodetests,dettests,detgroups,transposed,splits,splitcells,importtime,firstcall,decode,grid,variants,profile,schedule,ab},"
     local seqlens="${2:-}" labels="${3:-}"
     # the full DSL and the peers where .devfull/b came (in this call or an earlier one), else the runtime
     local setup=.devrt/setup.sh
@@ -102,6 +111,14 @@ run() {
             --match "$DET_MATCH" --out "$OUT/det-groups.json" > "$OUT/det-groups.txt" 2>&1 || true
         python3 benchmarks/backward.py report "$OUT/det-groups.json" > "$OUT/det-groups.md" || true
         tail -n 6 "$OUT/det-groups.md"
+    fi
+    if [[ $parts == *,transposed,* ]]; then
+        python3 -m pytest tests/test_gpu_bwd.py -k transposed -m gpu -q -p no:cacheprovider > "$OUT/t-tests.log" 2>&1 || true
+        tail -n 1 "$OUT/t-tests.log"
+        timeout 240 python3 benchmarks/backward.py run --grid full --plan "$TRANSPOSED_PLAN" --match d192 \
+            --out "$OUT/t-ab.json" > "$OUT/t-ab.txt" 2>&1 || true
+        python3 benchmarks/backward.py report "$OUT/t-ab.json" > "$OUT/t-ab.md" 2>&1 || true
+        tail -n 16 "$OUT/t-ab.md"
     fi
     if [[ $parts == *,splits,* ]]; then
         python3 benchmarks/decode_splits.py --rule --out "$OUT/splits.json" > "$OUT/splits.txt" 2>&1 || true

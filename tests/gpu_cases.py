@@ -393,6 +393,45 @@ def grouped_turns_plan(spec: AttentionSpec):
     return backward_plan(training_spec(spec)).with_config("the GPU tests", dq_grouped_turns=True)
 
 
+def transposed_plan(spec: AttentionSpec):
+    """The planner's backward plan of ``spec`` computed transposed (dkv_split t: 96 keys per CTA,
+    dK^T and dV^T with keys on the MMA's N side; the GPU tests and tests/warm_gpu_cache.py build
+    it beside the planner's)."""
+    from fa4gen.api import training_spec
+    from fa4gen.kernels.sm90.bwd_config import bwd_config_problem
+    from fa4gen.planner import backward_plan
+
+    plan = backward_plan(training_spec(spec)).with_config("the GPU tests", dkv_split="t", keys_per_warpgroup=48)
+    if bwd_config_problem(plan.config):  # (192/192: two Q/dO stages do not fit beside 96 keys)
+        plan = plan.with_config("the GPU tests", q_stages=1)
+    return plan
+
+
+def transposed_specs() -> dict[str, AttentionSpec]:
+    """The variants the transposed backward (transposed_plan) runs: d192/128 and 192/192 over
+    every path of its step (plain, soft cap, score modifiers with trainable tensors, windows,
+    chunks, prefix-LM, expression masks, sinks, GQA, deterministic dQ)."""
+    cases = backward_specs()
+    wide = dict(head_dim=192, head_dim_v=128)
+    specs = {
+        "deepseek-style": cases["deepseek-style"],
+        "d192-dense": cases["d192-dense"],
+        "d192-gqa4-causal": AttentionSpec(**wide, qhead_per_kvhead=4, causal=True),
+        "d192-softcap-window": AttentionSpec(**wide, qhead_per_kvhead=2, causal=True, window_left=150, softcap=30.0),
+        "d192-two-sided-sinks": AttentionSpec(**wide, window_left=100, window_right=40, sinks=True),
+        "d192-chunked": AttentionSpec(**wide, mask={"kind": "chunked", "size": 256}),
+        "d192-prefix": cases["prefix-lm"].model_copy(update=wide),
+        "d192-alibi-train": AttentionSpec(
+            **wide, causal=True, score_mod={"kind": "alibi", "slopes": "tensor", "requires_grad": True}
+        ),
+        "d192-leaky": cases["d64-leaky-window"].model_copy(update=wide),
+        "d192-streaming": cases["streaming-llm"].model_copy(update=wide),
+        "d192-fp16-causal": AttentionSpec(**wide, dtype="float16", causal=True),
+    }
+    specs["d192-gqa4-causal-deterministic"] = specs["d192-gqa4-causal"].model_copy(update={"deterministic": True})
+    return specs
+
+
 DETERMINISTIC_CASES = (
     "d96-gqa1-dense",
     "d128-gqa1-causal",

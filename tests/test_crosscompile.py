@@ -7,6 +7,7 @@ bulk-tensor loads, setmaxnreg register reallocation, and no local-memory traffic
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import shutil
@@ -98,6 +99,12 @@ def every_artifact(artifacts, warm_cache):
         # measured on a GPU, compiled here so that it keeps building without spills
         grouped = backward_plan(spec).with_config("cross-compiled while off", dq_grouped_turns=True)
         found[f"{name}.backward-grouped"] = fa4gen.build(spec, "sm_90a", cache_dir=root, kernel_plan=grouped)
+    # the backward computed transposed (dkv_split t, 96-key tiles): an option until measured on a
+    # GPU, compiled here so that it keeps building without spills (d192/128 with its LSE)
+    wide = next(name for name, result in results.items() if result.spec.head_dim == 192 and result.spec.dv == 128)
+    spec = training_spec(results[wide].spec)
+    transposed = backward_plan(spec).with_config("cross-compiled while off", dkv_split="t", keys_per_warpgroup=48)
+    found[f"{wide}.backward-transposed"] = fa4gen.build(spec, "sm_90a", cache_dir=root, kernel_plan=transposed)
     return found
 
 
@@ -240,6 +247,21 @@ def test_p_conversions_are_pinned_exactly_where_a_rescale_threshold_branches(art
         assert (pinned > 0) == threshold, f"{name}: {pinned} pinned conversions, rescale threshold {threshold}"
         kinds.add(threshold)
     assert kinds == {True, False}
+
+
+def test_transposed_backward_puts_keys_on_the_mma_n_side(every_artifact):
+    """dkv_split t: every MMA of the step but dQ's is 64 x 48 (a warpgroup's 48 of the 96 keys
+    on N: S, dP, dK^T, dV^T); dQ's is 64 x 96 (its half of the head dim over the shared dS)."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    (result,) = [r for name, r in every_artifact.items() if name.endswith(".backward-transposed")]
+    sass = subprocess.run(
+        [tool, "-c", str(result.entry.path / "kernel.cubin")], capture_output=True, text=True, check=True
+    ).stdout
+    shapes = collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass))
+    # k-blocks of 16: S over d 192 (12), dP over dv 128 (8), dK^T 3 x 4, dV^T 2 x 4; dQ over 96 keys (6)
+    assert shapes == {"64x48x16": 12 + 8 + 12 + 8, "64x96x16": 6}, shapes
 
 
 def test_sass_has_hgmma_and_no_spills(every_artifact):

@@ -82,6 +82,38 @@ def test_backward_config_check_names_what_is_wrong():
     assert bwd_config_problem(good.model_copy(update={**d64, "head_dim_v_padded": 64})) == ""
 
 
+def test_transposed_split_rules():
+    """dkv_split t (96-key tiles at d192/128, dK^T and dV^T with keys on the MMA's N side): its
+    tile, registers and shared memory as the check counts them, and each of its rules."""
+    from fa4gen.kernels.sm90.bwd_config import bwd_accumulator_registers, bwd_config_problem, bwd_smem_bytes
+    from fa4gen.planner import backward_plan
+
+    wide = backward_plan(AttentionSpec(head_dim=192, head_dim_v=128, causal=True)).config
+    t = wide.model_copy(update={"dkv_split": "t", "keys_per_warpgroup": 48})
+    assert bwd_config_problem(t) == "" and t.tile_n == 96 and t.transposed and not wide.transposed
+    # per thread: dK^T + dV^T 96 x 320 / 256 = 120, beside S and dP 2 x 64 x 96 / 256 = 48 (n: 80
+    # beside dQ 64 x 192 / 256 = 48)
+    assert bwd_accumulator_registers(t) == 120 + 48 and bwd_accumulator_registers(wide) == 80 + 48
+    # K and V of 96 keys, two Q/dO stages, P and dS, dQ's fp32 staging and the rows' LSE and dPsum
+    assert bwd_smem_bytes(t) - bwd_smem_bytes(wide) == (32 * 320 + 2 * 64 * 32) * 2
+    cases = {
+        "keys_per_warpgroup = 64": (wide, {"keys_per_warpgroup": 48}),
+        "multiple of 8 up to 128": (t, {"keys_per_warpgroup": 44}),
+        "head dims divisible by 64": (t, {"head_dim": 160, "head_dim_padded": 160}),
+        "tile_m = 64 and dq_split n": (t, {"tile_m": 128, "dq_split": "m"}),
+        "packed documents": (t, {"document": True}),
+        "shared memory": (t, {"keys_per_warpgroup": 64}),
+    }
+    for needle, (config, update) in cases.items():
+        problem = bwd_config_problem(config.model_copy(update=update))
+        assert needle in problem, (update, problem)
+    # 192/192 fits with one Q/dO stage
+    square = backward_plan(AttentionSpec(head_dim=192)).config
+    square_t = square.model_copy(update={"dkv_split": "t", "keys_per_warpgroup": 48})
+    assert "shared memory" in bwd_config_problem(square_t)
+    assert bwd_config_problem(square_t.model_copy(update={"q_stages": 1})) == ""
+
+
 def test_a_backward_plan_has_no_first_call_plan_or_split_workspace():
     from fa4gen.planner import backward_plan, backward_workspace_shapes, first_call_plan
 

@@ -4,6 +4,7 @@ python tests/warm_gpu_cache.py .devcache/kernels
 python tests/warm_gpu_cache.py --backward .devcache/kernels       # tests/test_gpu_bwd.py's kernels
 python tests/warm_gpu_cache.py --deterministic .devcache/kernels  # its deterministic cases' kernels
 python tests/warm_gpu_cache.py --decode .devcache/kernels         # tests/test_gpu_decode.py's kernels
+python tests/warm_gpu_cache.py --transposed .devcache/kernels     # the transposed backward's cases
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from gpu_cases import (
     pair_tail_specs,
     plan_option_cases,  # noqa: E402
     split_tail_cases,
+    transposed_plan,
+    transposed_specs,
     variant_specs,
 )
 from hf_cases import hf_gpu_specs  # noqa: E402
@@ -106,15 +109,33 @@ def warm_backward(cache_dir: str, deterministic_only: bool = False) -> None:
             fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir, kernel_plan=grouped_turns_plan(spec))
         state = "compiled" if forward.any_built_now or backward.built_now else "cached"
         print(f"backward/{name:19} {state:8} {time.perf_counter() - started:6.2f} s  {backward.key[:12]}", flush=True)
+    if not deterministic_only:
+        warm_transposed(cache_dir)
+
+
+def warm_transposed(cache_dir: str) -> None:
+    """test_transposed_backward_matches_reference's kernels: each case's training forward and its
+    backward computed transposed (gpu_cases.transposed_plan)."""
+    from fa4gen.api import training_spec
+
+    for name, spec in transposed_specs().items():
+        started = time.perf_counter()
+        with_lse = training_spec(spec)
+        forward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir)
+        backward = fa4gen.build(with_lse, "sm_90a", cache_dir=cache_dir, kernel_plan=transposed_plan(spec))
+        state = "compiled" if forward.any_built_now or backward.built_now else "cached"
+        print(f"transposed/{name:17} {state:8} {time.perf_counter() - started:6.2f} s  {backward.key[:12]}", flush=True)
 
 
 if __name__ == "__main__":
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     target = next((a for a in sys.argv[1:] if not a.startswith("--")), ".devcache/kernels")
-    if flags - {"--backward", "--deterministic", "--decode"}:
-        raise SystemExit(f"unknown flags {sorted(flags)}: --backward, --deterministic, --decode or none")
+    if flags - {"--backward", "--deterministic", "--decode", "--transposed"}:
+        raise SystemExit(f"unknown flags {sorted(flags)}: --backward, --deterministic, --decode, --transposed or none")
     if "--backward" in flags or "--deterministic" in flags:
         warm_backward(target, deterministic_only="--backward" not in flags)
+    if "--transposed" in flags:
+        warm_transposed(target)
     if "--decode" in flags:
         warm_decode(target)
     if not flags:

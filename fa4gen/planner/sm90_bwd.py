@@ -106,6 +106,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         consumer_regs=consumer_regs,
         dq_split=row.dq_split,
         dkv_split=row.dkv_split,
+        keys_per_warpgroup=row.keys_per_warpgroup,
     )
     problem = bwd_config_problem(config)
     assert not problem, f"the backward planner made a plan that cannot run: {problem}"
@@ -135,6 +136,7 @@ def plan_bwd_sm90(spec: AttentionSpec) -> Plan:
         "decision bwd-deterministic)",
         dq_split=row.reason,
         dkv_split=row.reason,
+        keys_per_warpgroup=row.reason,
         producer_regs="the TMA warp needs few registers; the consumers take the rest",
         consumer_regs="the TMA warp needs few registers; the consumers take the rest",
     )

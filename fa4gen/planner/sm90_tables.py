@@ -215,12 +215,14 @@ class BwdTileRow:
     max_head_dim: int  # applies when max(head_dim, head_dim_v) (padded) is at most this
     tile_m: int
     dq_split: Literal["m", "n"]
-    dkv_split: Literal["m", "n"]
+    dkv_split: Literal["m", "n", "t"]
     q_stages: int
     dq_stages: int
     reason: str
     # dQ's reduce-adds issued by the dQ writer warp, not by a consumer warp (decision bwd-deterministic)
     dq_writer: bool = False
+    # keys per warpgroup (Sm90BwdConfig.keys_per_warpgroup: 64 but with dkv_split t)
+    keys_per_warpgroup: int = 64
 
 
 # Up to d128: 128 keys per CTA (64 per consumer warpgroup), dK and dV in registers. 128 query

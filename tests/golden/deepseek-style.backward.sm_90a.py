@@ -53,6 +53,7 @@ CONFIG = Sm90BwdConfig(
     consumer_regs=240,
     dq_split='n',
     dkv_split='n',
+    keys_per_warpgroup=64,
 )
 
 

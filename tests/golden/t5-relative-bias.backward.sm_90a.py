@@ -85,6 +85,7 @@ CONFIG = Sm90BwdConfig(
     consumer_regs=240,
     dq_split='n',
     dkv_split='m',
+    keys_per_warpgroup=64,
 )
 
 

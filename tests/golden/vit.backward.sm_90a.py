@@ -52,6 +52,7 @@ CONFIG = Sm90BwdConfig(
     consumer_regs=240,
     dq_split='m',
     dkv_split='m',
+    keys_per_warpgroup=64,
 )
 
 

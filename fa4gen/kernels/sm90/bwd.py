@@ -8,7 +8,8 @@ Main kernel: one CTA per (key tile, KV head, batch). Warpgroup 0 is the producer
 loads of K and V once, then per step a query tile's Q and dO, with their rows' LSE and dPsum,
 into a ring of ``q_stages``); warpgroups 1..2 are consumers, each owning its part of the tile's
 dK and dV (64 keys each of a 128-key tile up to d128; past it, half the head-dim columns of a
-64-key tile: Sm90BwdConfig.dkv_split), which stay in registers over every step: the KV head's
+64-key tile, or computed transposed 48 keys each of a 96-key tile: Sm90BwdConfig.dkv_split),
+which stay in registers over every step: the KV head's
 query heads (so GQA needs no reduction across CTAs: dK and dV are written once,
 deterministically) times the query tiles that see the key tile (from the mask's structure, a
 table of packed documents' query rows, or an expression mask's backward block mask). A step
@@ -40,6 +41,7 @@ from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.masking import KeyTileRange
 from fa4gen.kernels.common.variant import VariantArgs
 from fa4gen.kernels.sm90.bwd_config import KeyTileOrder, Sm90BwdConfig, bwd_config_problem
+from fa4gen.kernels.sm90.bwd_grads import Sm90BwdGrads
 from fa4gen.kernels.sm90.bwd_prepost import Sm90BwdPrePost
 from fa4gen.kernels.sm90.bwd_step import BwdSmem, Sm90BwdStep
 from fa4gen.kernels.sm90.producer import tma_pipeline
@@ -49,7 +51,7 @@ PREPOST_THREADS = WARPGROUP_THREADS
 ROW_ALIGN = 128  # TMA destinations of the LSE and dPsum rows
 
 
-class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
+class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep, Sm90BwdGrads):
     """One compiled backward; ``config`` is the planner's Sm90BwdConfig."""
 
     def __init__(
@@ -117,8 +119,8 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         tmas = self._tma_atoms(mQ, mK, mV, mdO, mdQaccum, mdPsum, mLSElog2, layouts)
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
         rows = self.tile_m * self.q_stages
-        # P^T beside dS^T, with dkv_split n only (no bytes otherwise)
-        p_elems = cute.cosize(sdS_layout) if self.cfg.dkv_split == "n" else 0
+        # P beside dS, except with dkv_split m (no bytes then: P^T stays in registers)
+        p_elems = cute.cosize(sdS_layout) if self.cfg.dkv_split != "m" else 0
 
         @cute.struct
         class SharedStorage:
@@ -205,13 +207,14 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
         written transposed, and transposed dK's (dV's) A with dkv_split n; dQ's fp32 staging
         (``_dq_layout``)."""
         k_major = self.dqk // self.num_consumers if self.cfg.dq_split == "n" else self.dqk
-        ways = self.cfg.dkv_ways
+        ways, t = self.cfg.dkv_ways, self.cfg.transposed
         return (
             self._smem_layout(dtype, self.tile_m, self.dqk, self.q_stages, self.dqk // ways),
             self._smem_layout(dtype, self.tile_m, self.dv, self.q_stages, self.dv // ways),
             self._smem_layout(dtype, self.tile_n, self.dqk, 1, k_major),
             self._smem_layout(dtype, self.tile_n, self.dv, 1, self.dv),
-            self._smem_layout(dtype, self.tile_m, self.tile_n, 1, self.tile_n),
+            # (t: dK^T's and dV^T's B operands, each warpgroup's keys read MN-major from their first)
+            self._smem_layout(dtype, self.tile_m, self.tile_n, 1, self.cfg.keys_per_warpgroup if t else self.tile_n),
             self._dq_layout((self.tile_m, self.dqk, self.dq_stages)),
         )
 
@@ -266,7 +269,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             k=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             v=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             ds=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
-            p=storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if self.cfg.dkv_split == "n" else None,
+            p=storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if self.cfg.dkv_split != "m" else None,
             dq=storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
             lse=storage.sLSE.get_tensor(rows),
             dpsum=storage.sdPsum.get_tensor(rows),
@@ -412,7 +415,7 @@ class HopperAttentionBackward(Sm90BwdPrePost, Sm90BwdStep):
             m_block = self.query_tile(where, step % count, args)
             at = (n_block, head, batch, m_block, self._exact(where, step % count, args))
             self.scores_and_grads(f, smem, pipe_q, pipe_do, state, at, sizes)
-            if cutlass.const_expr(self.cfg.dkv_split == "n"):
+            if cutlass.const_expr(self.cfg.dkv_split != "m"):
                 acc_dq = self.products_by_columns(f, pipe_q, pipe_do, state)
             else:
                 acc_dq = self.products(f, pipe_do, state)

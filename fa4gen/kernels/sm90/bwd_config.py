@@ -20,7 +20,7 @@ from fa4gen.arch import WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.sm90.config import ELEMENT_BYTES, SMEM_RESERVE_BYTES, extent_problem, resource_problem
 
 DqSplit = Literal["m", "n"]
-DkvSplit = Literal["m", "n"]
+DkvSplit = Literal["m", "n", "t"]
 # registers a consumer thread needs besides its accumulators (addresses, loop state, the LSE
 # and dPsum of its columns): FA3's budget for 240-register consumers is 216 for accumulators
 ACCUMULATOR_HEADROOM = 24
@@ -86,12 +86,24 @@ class Sm90BwdConfig(BaseModel):
     # dK and dV split over the warpgroups by keys (m: each owns 64 keys of the CTA's tile, P^T and
     # dS^T feed their MMAs from registers) or by head-dim columns (n: the warpgroups share 64 keys
     # and split S^T by query rows; P^T and dS^T go through shared memory; head dims past 128). With
-    # two warpgroups, the multiples of 16 checked below make every half a multiple of 8 (wgmma's N)
+    # two warpgroups, the multiples of 16 checked below make every half a multiple of 8 (wgmma's N).
+    # t: computed transposed, keys on the MMA's N side (dK^T = Q^T.dS, dV^T = dO^T.P), each
+    # warpgroup owning keys_per_warpgroup keys over every head-dim row; S and dP untransposed
+    # (query rows on M, the keys split as dK^T's), P and dS through shared memory. Frees the key
+    # tile from multiples of 64: 96 keys at d192/128, where 128 outgrow the registers.
     dkv_split: DkvSplit
+    # keys each warpgroup owns (m: 64, the MMA's M; t: a multiple of 8, the MMA's N); n: the
+    # tile's 64 keys, shared
+    keys_per_warpgroup: int = WGMMA_M
 
     @property
     def tile_n(self) -> int:
-        return WGMMA_M * (self.num_consumer_warpgroups if self.dkv_split == "m" else 1)
+        return self.keys_per_warpgroup * (1 if self.dkv_split == "n" else self.num_consumer_warpgroups)
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the step computes S, dP, dK^T and dV^T (dkv_split t), not S^T, dP^T, dK and dV."""
+        return self.dkv_split == "t"
 
     @property
     def dkv_ways(self) -> int:
@@ -120,19 +132,38 @@ def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
     tile, and P^T's beside it with dkv_split n), dQ's fp32 staging (dq_stages tiles)."""
     k_v = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     q_do = c.q_stages * c.tile_m * (c.head_dim_padded + c.head_dim_v_padded)
-    ds = c.tile_m * c.tile_n * (2 if c.dkv_split == "n" else 1)
+    ds = c.tile_m * c.tile_n * (1 if c.dkv_split == "m" else 2)
     fp32 = c.q_stages * 2 * c.tile_m + c.dq_stages * c.tile_m * c.head_dim_padded
     return (k_v + q_do + ds) * ELEMENT_BYTES + fp32 * 4 + SMEM_RESERVE_BYTES
 
 
 def bwd_accumulator_registers(c: Sm90BwdConfig) -> int:
-    """fp32 registers per consumer thread at the peak: dK and dV (its 64 keys x its head-dim
-    columns), with either S and dP (64 keys x its query rows) or dQ (its share of tile_m x
-    head_dim) beside them."""
-    dk_dv = WGMMA_M * (c.head_dim_padded + c.head_dim_v_padded) // (WARPGROUP_THREADS * c.dkv_ways)
-    s_dp = 2 * WGMMA_M * c.tile_m // (WARPGROUP_THREADS * c.dkv_ways)
-    dq = c.tile_m * c.head_dim_padded // (WARPGROUP_THREADS * c.num_consumer_warpgroups)
+    """fp32 registers per consumer thread at the peak: its share of dK and dV (every split deals
+    the tile's keys x head-dim columns evenly over the warpgroups), with either its share of S and
+    dP (keys x query rows) or of dQ (tile_m x head_dim) beside them."""
+    threads = WARPGROUP_THREADS * c.num_consumer_warpgroups
+    dk_dv = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded) // threads
+    s_dp = 2 * c.tile_n * c.tile_m // threads
+    dq = c.tile_m * c.head_dim_padded // threads
     return dk_dv + max(s_dp, dq)
+
+
+def dkv_split_problem(c: Sm90BwdConfig) -> str:
+    """Whether dK and dV can split as ``dkv_split`` says ("" when they can)."""
+    if c.dkv_split != "t":
+        if c.keys_per_warpgroup != WGMMA_M:
+            return f"dkv_split {c.dkv_split} needs keys_per_warpgroup = {WGMMA_M} (t sets it)"
+        return ""
+    # (with two warpgroups a multiple of 8 also makes the key tile a multiple of 16: dQ's K)
+    if c.keys_per_warpgroup % 8 or c.keys_per_warpgroup > 128:
+        return "dkv_split t needs keys_per_warpgroup a multiple of 8 up to 128 (the MMA's N)"
+    if c.head_dim_padded % WGMMA_M or c.head_dim_v_padded % WGMMA_M:
+        return f"dkv_split t needs head dims divisible by {WGMMA_M} (dK^T's and dV^T's M)"
+    if c.tile_m != WGMMA_M or c.dq_split != "n":
+        return "dkv_split t needs tile_m = 64 and dq_split n (dQ = dS.K over the shared dS)"
+    if c.document:
+        return "dkv_split t reads each query row's keys; packed documents give the backward each key's query rows"
+    return ""
 
 
 def dq_split_problem(c: Sm90BwdConfig) -> str:
@@ -163,6 +194,8 @@ def bwd_config_problem(c: Sm90BwdConfig) -> str:
     if c.tile_m > 256 or c.tile_m % 8:
         return "tile_m must be a multiple of 8 up to 256 (the N extent of S^T = K.Q^T)"
     if problem := dq_split_problem(c):
+        return problem
+    if problem := dkv_split_problem(c):
         return problem
     if problem := resource_problem(bwd_smem_bytes(c), c.producer_regs, c.consumer_regs, c.num_consumer_warpgroups):
         return problem

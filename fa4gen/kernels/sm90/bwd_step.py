@@ -25,6 +25,11 @@ a query tile of one query head against the CTA's key tile, every MMA spanning bo
    run-time count of dQ groups (the workspaces' extent: backward.dq_groups), each summed into its own partial
    accumulator (a virtual query tile g x m_blocks + m_block) with its own semaphore, so the
    chain of turns is 1/groups as long; the postprocess adds the partials in group order.
+
+With dkv_split t (Sm90BwdConfig.transposed) every product but dQ's puts the keys on the N side,
+each warpgroup owning half of them: S = Q.K^T and dP = dO.V^T (query rows on M), P and dS to
+shared memory untransposed, dV^T += dO^T.P and dK^T += Q^T.dS (dO and Q the A operands, read
+MN-major; P and dS the B operands). The scores' probabilities and gradients: bwd_grads.py.
 """
 
 from __future__ import annotations
@@ -42,8 +47,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4gen.arch import WARP_THREADS, WARPGROUP_THREADS, WGMMA_M
 from fa4gen.kernels.common.layout import rows_cols_view, store_as_operand_a
-from fa4gen.kernels.common.masking import column_offsets, visible_columns
-from fa4gen.kernels.sm90.bwd_prepost import LOG2_E
 
 
 class BwdBarrier(enum.IntEnum):
@@ -66,7 +69,7 @@ class BwdSmem:
     k: Any  # (tile_n, D, 1)
     v: Any  # (tile_n, Dv, 1)
     ds: Any  # (tile_m, tile_n, 1)
-    p: Any  # (tile_m, tile_n, 1): P, with dkv_split n only (else None)
+    p: Any  # (tile_m, tile_n, 1): P, except with dkv_split m (None)
     dq: Any  # (tile_m, D, dq_stages) fp32
     lse: Any  # (tile_m, q_stages) fp32, log2 units
     dpsum: Any  # (tile_m, q_stages) fp32
@@ -83,17 +86,17 @@ class BwdFragments:
     dk: Any
     dq_first: Any  # dQ = dS.K
     dq_rest: Any
-    tSrK: Any  # S^T: K (A) and Q (B)
+    tSrK: Any  # S^T: K (A) and Q (B); transposed, S: Q (A) and K (B)
     tSrQ: Any
-    tPrV: Any  # dP^T: V (A) and dO (B)
+    tPrV: Any  # dP^T: V (A) and dO (B); transposed, dP: dO (A) and V (B)
     tPrdO: Any
-    tVrdO: Any  # dV: dO^T (B)
-    tKrQ: Any  # dK: Q^T (B)
+    tVrdO: Any  # dV: dO^T (B); transposed, dV^T: dO^T (A)
+    tKrQ: Any  # dK: Q^T (B); transposed, dK^T: Q^T (A)
     tQrdS: Any  # dQ: dS (A) and K^T (B)
     tQrK: Any
-    p: Any  # P^T and dS^T rounded to 16 bits (in registers)
+    p: Any  # P^T and dS^T (P and dS, transposed) rounded to 16 bits (in registers)
     ds: Any
-    p_operand: Any  # dV's and dK's A operands: p and ds (dkv_split m) or their shared-memory copies (n)
+    p_operand: Any  # dV's and dK's operands: p and ds (dkv_split m, A) or their shared-memory copies (n: A; t: B)
     ds_operand: Any
     ds_copy: Any  # stmatrix of dS^T into sdS (and P^T into sP with dkv_split n): the copy, its
     ds_source: Any  # source views of ds and p, their targets
@@ -102,9 +105,9 @@ class BwdFragments:
     p_target: Any
     acc_dk: Any
     acc_dv: Any
-    coords_s: Any  # (key, query) of each S^T element in the tile
+    coords_s: Any  # (key, query) of each S^T element in the tile; transposed, (query, key) of S's
     thr_dq: Any  # this thread's part of dQ's MMA
-    coords_dk: Any  # (key, column) of each dK and dV element in the tile
+    coords_dk: Any  # (key, column) of each dK and dV element in the tile; transposed, (column, key)
     coords_dv: Any
     warpgroup: Any  # this thread's consumer warpgroup (0-based), its index and its warp's in it
     wtidx: Any
@@ -126,12 +129,15 @@ class Sm90BwdStep:
         """The MMAs over both consumer warpgroups (``ctidx``: 0..255) and this thread's parts."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         W = self.num_consumers
-        by_cols = self.cfg.dkv_split == "n"
         split, sdp_tiler, a_major, dv_tiler, dk_tiler = self._dkv_tiling()
+        transposed = self.cfg.transposed
         sdp_first = self._mma(K, K, split, sdp_tiler, False)
         thr_sdp = sdp_first.get_slice(ctidx)
-        dkv = self._mma(a_major, MN, split, dv_tiler, True, a_registers=not by_cols)
-        dk = self._mma(a_major, MN, split, dk_tiler, True, a_registers=not by_cols)
+        # (t: dV^T's and dK^T's A operands are dO^T and Q^T, B the shared P and dS; else A is P^T
+        # and dS^T, from registers with dkv_split m)
+        b_major = MN
+        dkv = self._mma(a_major, b_major, split, dv_tiler, True, a_registers=self.cfg.dkv_split == "m")
+        dk = self._mma(a_major, b_major, split, dk_tiler, True, a_registers=self.cfg.dkv_split == "m")
         thr_dv, thr_dk = dkv.get_slice(ctidx), dk.get_slice(ctidx)
         if cutlass.const_expr(self.cfg.dq_split == "m"):
             dq_atoms, dq_tiler = (W, 1, 1), (WGMMA_M, self.dqk)
@@ -144,18 +150,29 @@ class Sm90BwdStep:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2]))
             for t in (smem.q, smem.do, smem.k, smem.ds)
         )
-        ds_copy = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.dtype, Float32), sdp_first
-        )
+        # S's and dP's operands: (A, B) = (K, Q) and (V, dO) for S^T, (Q, K) and (dO, V) for S
+        s_ops, dp_ops = ((smem.q, smem.k), (smem.do, smem.v)) if transposed else ((smem.k, smem.q), (smem.v, smem.do))
+        # dS (and P) into shared memory: S's accumulators as they are, S^T's transposed
+        store_major = LayoutEnum.ROW_MAJOR if transposed else LayoutEnum.COL_MAJOR
+        ds_copy = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(store_major, self.dtype, Float32), sdp_first)
         thr_copy = ds_copy.get_slice(ctidx)
-        s_shape = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        s_shape = thr_sdp.partition_shape_C(self._s_tile())
         p, ds, p_operand, ds_operand, p_source, p_target = self._probability_operands(
             smem, (thr_dv, thr_dk, thr_copy), s_shape, sdSt
         )
-        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.dqk)))
-        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.dv)))
+        ds_smem = smem.ds if transposed else sdSt
+        dk_tile, dv_tile = self._dkv_tiles()
+        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C(dk_tile))
+        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C(dv_tile))
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
+        # dV's and dK's operands from Q and dO: B (dO^T, Q^T) or, transposed, A (dO^T, Q^T read MN-major)
+        if cutlass.const_expr(transposed):
+            tVrdO = thr_dv.make_fragment_A(thr_dv.partition_A(sdOt))
+            tKrQ = thr_dk.make_fragment_A(thr_dk.partition_A(sQt))
+        else:
+            tVrdO = thr_dv.make_fragment_B(thr_dv.partition_B(sdOt))
+            tKrQ = thr_dk.make_fragment_B(thr_dk.partition_B(sQt))
         return BwdFragments(
             sdp_first=sdp_first,
             sdp_rest=self._mma(K, K, split, sdp_tiler, True),
@@ -163,12 +180,12 @@ class Sm90BwdStep:
             dk=dk,
             dq_first=dq_first,
             dq_rest=self._mma(K, MN, dq_atoms, dq_tiler, True),
-            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(smem.k)),
-            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(smem.q)),
-            tPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(smem.v)),
-            tPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(smem.do)),
-            tVrdO=thr_dv.make_fragment_B(thr_dv.partition_B(sdOt)),
-            tKrQ=thr_dk.make_fragment_B(thr_dk.partition_B(sQt)),
+            tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(s_ops[0])),
+            tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(s_ops[1])),
+            tPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(dp_ops[0])),
+            tPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(dp_ops[1])),
+            tVrdO=tVrdO,
+            tKrQ=tKrQ,
             tQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(smem.ds)),
             tQrK=thr_dq.make_fragment_B(thr_dq.partition_B(sKt)),
             p=p,
@@ -177,24 +194,39 @@ class Sm90BwdStep:
             ds_operand=ds_operand,
             ds_copy=ds_copy,
             ds_source=thr_copy.retile(cute.make_tensor(ds.iterator, cute.make_layout(s_shape))),
-            ds_target=thr_copy.partition_D(sdSt[None, None, 0]),
+            ds_target=thr_copy.partition_D(ds_smem[None, None, 0]),
             p_source=p_source,
             p_target=p_target,
             acc_dk=acc_dk,
             acc_dv=acc_dv,
-            coords_s=thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
+            coords_s=thr_sdp.partition_C(cute.make_identity_tensor(self._s_tile())),
             thr_dq=thr_dq,
-            coords_dk=thr_dk.partition_C(cute.make_identity_tensor((self.tile_n, self.dqk))),
-            coords_dv=thr_dv.partition_C(cute.make_identity_tensor((self.tile_n, self.dv))),
+            coords_dk=thr_dk.partition_C(cute.make_identity_tensor(dk_tile)),
+            coords_dv=thr_dv.partition_C(cute.make_identity_tensor(dv_tile)),
             warpgroup=cute.arch.make_warp_uniform(ctidx // WARPGROUP_THREADS),
             wtidx=ctidx % WARPGROUP_THREADS,
             warp=cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4,
         )
 
+    def _s_tile(self) -> tuple[int, int]:
+        """The score tile as the step computes it: (query rows, keys) for S, (keys, query rows) for S^T."""
+        return (self.tile_m, self.tile_n) if self.cfg.transposed else (self.tile_n, self.tile_m)
+
+    def _dkv_tiles(self) -> tuple:
+        """dK's and dV's accumulator tiles: (keys, columns), or (columns, keys) transposed."""
+        if self.cfg.transposed:
+            return (self.dqk, self.tile_n), (self.dv, self.tile_n)
+        return (self.tile_n, self.dqk), (self.tile_n, self.dv)
+
     def _dkv_tiling(self) -> tuple:
         """(warpgroup layout, S^T's tiler, dV's and dK's A major mode, dV's tiler, dK's tiler)."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         W = self.num_consumers
+        if self.cfg.dkv_split == "t":
+            # the warpgroups split the keys on every MMA's N side: S and dP (query rows on M),
+            # dV^T and dK^T (head-dim columns on M, A = dO^T and Q^T read MN-major)
+            keys = self.cfg.keys_per_warpgroup
+            return (1, W, 1), (WGMMA_M, keys), MN, (WGMMA_M, keys), (WGMMA_M, keys)
         if self.cfg.dkv_split == "n":
             # the 64 keys shared: S^T split by query rows, dK and dV by head-dim columns, their
             # A operands (P^T, dS^T) read transposed from shared memory
@@ -203,39 +235,36 @@ class Sm90BwdStep:
         return (W, 1, 1), (WGMMA_M, self.tile_m), K, (WGMMA_M, self.dv), (WGMMA_M, self.dqk)
 
     def _probability_operands(self, smem: BwdSmem, parts, s_shape, sdSt):
-        """P^T and dS^T rounded to 16 bits (registers) and dV's and dK's A operands: the same
-        registers (dkv_split m), or their shared-memory copies with the stmatrix source and
-        target of P^T's (n; dS^T's are made by the caller for dQ either way)."""
+        """P^T and dS^T (P and dS, transposed) rounded to 16 bits (registers) and dV's and dK's
+        operands from them: the same registers (dkv_split m, A), or their shared-memory copies,
+        with the stmatrix source and target of P's (n: A read transposed; t: B; dS's source and
+        target are made by the caller for dQ either way)."""
         thr_dv, thr_dk, thr_copy = parts
         p_source, p_target = None, None
-        if self.cfg.dkv_split == "n":
-            p = cute.make_rmem_tensor(s_shape, self.dtype)
-            ds = cute.make_rmem_tensor(s_shape, self.dtype)
-            sPt = cute.make_tensor(smem.p.iterator, cute.select(smem.p.layout, mode=[1, 0, 2]))
-            p_operand = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
-            ds_operand = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
-            p_source = thr_copy.retile(p)
-            p_target = thr_copy.partition_D(sPt[None, None, 0])
-        else:
+        if self.cfg.dkv_split == "m":
             p = cute.make_rmem_tensor(thr_dv.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
             ds = cute.make_rmem_tensor(thr_dk.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
             p_operand, ds_operand = p, ds
+        else:
+            p = cute.make_rmem_tensor(s_shape, self.dtype)
+            ds = cute.make_rmem_tensor(s_shape, self.dtype)
+            sPt = cute.make_tensor(smem.p.iterator, cute.select(smem.p.layout, mode=[1, 0, 2]))
+            if cutlass.const_expr(self.cfg.transposed):  # B = P^T, dS^T: (keys, query rows), MN-major
+                p_operand = thr_dv.make_fragment_B(thr_dv.partition_B(sPt))
+                ds_operand = thr_dk.make_fragment_B(thr_dk.partition_B(sdSt))
+                p_target = thr_copy.partition_D(smem.p[None, None, 0])
+            else:
+                p_operand = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
+                ds_operand = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
+                p_target = thr_copy.partition_D(sPt[None, None, 0])
+            p_source = thr_copy.retile(p)
         return p, ds, p_operand, ds_operand, p_source, p_target
 
     @cute.jit
-    def column_values(self, rows: cute.Tensor, stage: Int32, coords, row_shape):
-        """This thread's columns' entries of a staged (tile_m, stages) row table in shared
-        memory (LSE, dPsum), in registers shaped like a row of the S^T view."""
-        values = cute.make_rmem_tensor(cute.make_layout(row_shape), Float32)
-        for c in cutlass.range_constexpr(cute.size(values)):
-            values[c] = rows[coords[0, c][1], stage]
-        return values
-
-    @cute.jit
     def scores_and_grads(self, f: BwdFragments, smem: BwdSmem, pipe_q, pipe_do, state, at, sizes):
-        """S^T and dP^T of one step, then P^T and dS^T into ``f.p`` / ``f.ds`` (and dS^T into
-        sdS); ``at``: (key tile, query head, batch, query tile, whether the expression mask hides
-        some pair of the tile)."""
+        """S^T and dP^T (S and dP, transposed) of one step, then the probabilities and dS into
+        ``f.p`` / ``f.ds`` (and dS into sdS); ``at``: (key tile, query head, batch, query tile,
+        whether the expression mask hides some pair of the tile)."""
         acc_s = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         acc_dp = cute.make_rmem_tensor(f.coords_s.shape, Float32)
         pipe_q.consumer_wait(state)
@@ -243,19 +272,20 @@ class Sm90BwdStep:
         # (not beside a mask's second bound: with chunks it spilled, decision bwd-step-trim)
         plain = self.score_grad is None and self.cfg.softcap is None and not self.cfg.query_bounds[1]
         if cutlass.const_expr(plain and self.tile_m <= WGMMA_M):
-            lse = self.column_values(
+            lse = self.query_values(
                 smem.lse, state.index, rows_cols_view(f.coords_s), rows_cols_view(acc_s)[0, None].shape
             )
-            lse = lse.load()
+        # Q and dO are S's and dP's A operands when transposed, else their B
+        a_stage, b_stage = (state.index, 0) if self.cfg.transposed else (0, state.index)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(f.tSrK, mode=[2])):
             mma = f.sdp_first if kb == 0 else f.sdp_rest
-            cute.gemm(mma, acc_s, f.tSrK[None, None, kb, 0], f.tSrQ[None, None, kb, state.index], acc_s)
+            cute.gemm(mma, acc_s, f.tSrK[None, None, kb, a_stage], f.tSrQ[None, None, kb, b_stage], acc_s)
         warpgroup.commit_group()
         pipe_do.consumer_wait(state)
         for kb in cutlass.range_constexpr(cute.size(f.tPrV, mode=[2])):
             mma = f.sdp_first if kb == 0 else f.sdp_rest
-            cute.gemm(mma, acc_dp, f.tPrV[None, None, kb, 0], f.tPrdO[None, None, kb, state.index], acc_dp)
+            cute.gemm(mma, acc_dp, f.tPrV[None, None, kb, a_stage], f.tPrdO[None, None, kb, b_stage], acc_dp)
         warpgroup.commit_group()
         scores, grads = rows_cols_view(acc_s), rows_cols_view(acc_dp)
         if cutlass.const_expr(self.score_grad is not None):
@@ -269,186 +299,12 @@ class Sm90BwdStep:
                 self.mask_grads(f, scores, grads, at, sizes)
         store_as_operand_a(acc_s, f.p, pinned=False)
         store_as_operand_a(acc_dp, f.ds, pinned=False)
-        # dS^T to shared memory for dQ (and for dK, with P^T for dV, with dkv_split n): every MMA
+        # dS to shared memory for dQ (and for dK, with P for dV, unless dkv_split m): every MMA
         # of the step before that read them was done before its DQ_FULL barrier (stage_dq)
         cute.copy(f.ds_copy, f.ds_source, f.ds_target)
-        if cutlass.const_expr(self.cfg.dkv_split == "n"):
+        if cutlass.const_expr(self.cfg.dkv_split != "m"):
             cute.copy(f.ds_copy, f.p_source, f.p_target)
         cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
-    def visible_of_row(self, coords, r: int, at, sizes, exact: bool = False):
-        """Which columns (queries) of S^T view row ``r`` (a key) the mask lets through, as a
-        vector. Not ``exact`` (the score is S^T or its soft cap, finite): where only the lowest
-        query of a key is bounded, one compare against it, a padded key's moved to Sq; padded
-        query columns then pass, their P^T zero from the +inf LSE the preprocess gives them."""
-        n_block, _, batch, m_block, _ = at
-        seqlen_q, seqlen_k, args = sizes
-        offsets = column_offsets(coords, coords[0, None].shape)
-        first_col = m_block * self.tile_m + coords[0, 0][1]
-        key = n_block * self.tile_n + coords[r, 0][0]
-        lo, hi = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-        starts, ends = self.cfg.query_bounds
-        if cutlass.const_expr(starts and not ends and not exact):
-            lo = cutlass.select_(key < seqlen_k, lo, seqlen_q)
-            return offsets >= lo - first_col
-        return visible_columns(offsets, first_col, lo, hi, starts)
-
-    @cute.jit
-    def plain_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes, lse):
-        """P^T = exp2(S^T * scale_log2 - LSE) while dP^T finishes, then dS^T = P^T (dP^T - dPsum).
-        The columns' LSE and dPsum are held for the tile up to 64 query rows (``lse``: loaded
-        before the step's MMAs were issued, so the loads' latency hides behind them, except beside
-        a mask's second bound: None, loaded here), read per row past that (held beside 128-row
-        S^T and dP^T they spilled: decision bwd-tiles)."""
-        coords = rows_cols_view(f.coords_s)
-        row_shape = scores[0, None].shape
-        per_row = self.tile_m > WGMMA_M
-        if cutlass.const_expr(lse is None and not per_row):
-            lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
-        warpgroup.wait_group(1)  # S^T is done; the exponentials run while dP^T finishes
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            if cutlass.const_expr(per_row):
-                lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
-            visible = self.visible_of_row(coords, r, at, sizes)
-            probs = cute.math.exp2(scores[r, None].load() * Float32(self.cfg.scale_log2) - lse, fastmath=True)
-            scores[r, None].store(cute.where(visible, probs, Float32(0.0)))
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(not per_row):
-            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            if cutlass.const_expr(per_row):
-                dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
-            grads[r, None].store(scores[r, None].load() * (grads[r, None].load() - dpsum))
-
-    @cute.jit
-    def capped_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
-        """The forward's score is softcap * tanh(s * scale / softcap): P^T from it, and dS^T times
-        the derivative 1 - tanh^2 (taken before the mask: masked scores are never used). The
-        rows' LSE and dPsum are read per row (held for the whole tile beside tanh's values they
-        spilled more: decision bwd-tiles)."""
-        coords = rows_cols_view(f.coords_s)
-        row_shape = scores[0, None].shape
-        warpgroup.wait_group(0)
-        softcap = self.cfg.softcap
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            lse = self.column_values(smem.lse, state.index, coords, row_shape).load()
-            dpsum = self.column_values(smem.dpsum, state.index, coords, row_shape).load()
-            visible = self.visible_of_row(coords, r, at, sizes)
-            t = cute.math.tanh(scores[r, None].load() * Float32(self.cfg.softmax_scale / softcap), fastmath=True)
-            probs = cute.math.exp2(t * Float32(softcap * LOG2_E) - lse, fastmath=True)
-            probs = cute.where(visible, probs, Float32(0.0))
-            scores[r, None].store(probs)
-            grads[r, None].store(probs * (grads[r, None].load() - dpsum) * (Float32(1.0) - t * t))
-
-    @cute.jit
-    def modified_grads(self, f: BwdFragments, smem: BwdSmem, state, scores, grads, at, sizes):
-        """A score modifier: per score, its value (P^T from it) and its derivative with respect to
-        the scaled score (dS^T times it), from the emitted ``score_grad``; the rows' LSE and
-        dPsum read from shared memory where used (held in registers beside the modifier's own
-        values they spilled). With trainable tensors, each visible score also adds its share of
-        their gradient (``add_aux_grads``)."""
-        n_block, head, batch, m_block, _ = at
-        seqlen_q, seqlen_k, args = sizes
-        coords = rows_cols_view(f.coords_s)
-        warpgroup.wait_group(0)
-        uniform = None
-        if cutlass.const_expr(self.aux_grad is not None):
-            uniform = [Float32(0.0) for shared in self.aux_grad[2] if shared]
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            key = n_block * self.tile_n + coords[r, 0][0]
-            rows = None  # (the query rows that see the key: only where each score's visibility counts)
-            if cutlass.const_expr(self.aux_grad is not None):
-                rows = self.key_queries.key_query_range(key, batch, seqlen_q, seqlen_k, args)
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                column = coords[0, c][1]
-                row = m_block * self.tile_m + column
-                s = scores[r, c]
-                value, slope, outer = self.score_grad(s, batch, head, row, key, seqlen_q, seqlen_k, args)
-                prob = cute.math.exp2(value * Float32(LOG2_E) - smem.lse[column, state.index], fastmath=True)
-                dvalue = prob * (grads[r, c] - smem.dpsum[column, state.index])
-                if cutlass.const_expr(self.aux_grad is not None):
-                    # (hidden pairs' shares dropped here; their P^T and dS^T below, per row)
-                    visible = self.visible_pair(row, key, rows, at, sizes)
-                    share = Float32(cutlass.select_(visible, dvalue * outer, Float32(0.0)))
-                    uniform = self.add_aux_grads(s, share, (row, key), at, sizes, uniform)
-                scores[r, c] = prob
-                grads[r, c] = dvalue * slope
-            # masked last, as one select per row (no branch per score): whatever the modifier
-            # gives outside the mask (it may be infinite on padding) is dropped
-            visible = self.visible_of_row(coords, r, at, sizes, exact=True)
-            scores[r, None].store(cute.where(visible, scores[r, None].load(), Float32(0.0)))
-            grads[r, None].store(cute.where(visible, grads[r, None].load(), Float32(0.0)))
-        if cutlass.const_expr(self.aux_grad is not None):
-            self.add_uniform_aux_grads(uniform, batch, head, sizes)
-
-    @cute.jit
-    def visible_pair(self, row: Int32, key: Int32, rows, at, sizes):
-        """Whether query ``row`` sees ``key`` (``rows``: [lo, hi) of those that do by the
-        structural bounds), the expression mask applied too."""
-        _, head, batch, _, _ = at
-        seqlen_q, seqlen_k, args = sizes
-        visible = (row >= rows[0]) & (row < rows[1])
-        if cutlass.const_expr(self.mask_mod is not None):
-            row, key = cutlass.min(row, seqlen_q - 1), cutlass.min(key, seqlen_k - 1)
-            visible = visible & self.mask_mod(batch, head, row, key, seqlen_q, seqlen_k, args)
-        return visible
-
-    @cute.jit
-    def add_aux_grads(self, s, dvalue, pair, at, sizes, uniform):
-        """One score's share of the trainable tensors' gradients: dL/d(modifier) times the
-        modifier's derivative with respect to each element it reads. Elements that vary per score
-        are added at once (only where the share is non-zero: a hidden pair's indices may lie
-        outside the tensor); those the same over the step are summed in ``uniform``."""
-        row, key = pair
-        _, head, batch, _, _ = at
-        seqlen_q, seqlen_k, args = sizes
-        derivatives, adders, shared = self.aux_grad
-        # (the modifier's own arguments, so its common parts are computed once)
-        slopes = derivatives(s, batch, head, row, key, seqlen_q, seqlen_k, args)
-        row, key = cutlass.min(row, seqlen_q - 1), cutlass.min(key, seqlen_k - 1)
-        sums, i = list(uniform), 0
-        for read in cutlass.range_constexpr(len(adders)):
-            share = dvalue * slopes[read]
-            if cutlass.const_expr(shared[read]):
-                sums[i] = sums[i] + share
-                i += 1
-            else:
-                if share != Float32(0.0):
-                    adders[read](share, batch, head, row, key, seqlen_q, seqlen_k, args)
-        return sums
-
-    @cute.jit
-    def add_uniform_aux_grads(self, sums, batch: Int32, head: Int32, sizes):
-        """The step's sums of the per-step elements: reduced over the warp, added by its first lane."""
-        seqlen_q, seqlen_k, args = sizes
-        _, adders, shared = self.aux_grad
-        i = 0
-        for read in cutlass.range_constexpr(len(adders)):
-            if cutlass.const_expr(shared[read]):
-                total = sums[i]
-                for offset in cutlass.range_constexpr(5):
-                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
-                if cute.arch.lane_idx() == 0:
-                    adders[read](total, batch, head, Int32(0), Int32(0), seqlen_q, seqlen_k, args)
-                i += 1
-
-    @cute.jit
-    def mask_grads(self, f: BwdFragments, scores, grads, at, sizes):
-        """The expression mask: P^T and dS^T zero where mask_mod(b, h, q_idx, kv_idx, Sq, Sk,
-        args) is False (a select, so whatever the hidden scores gave is dropped). Rows and keys
-        past Sq / Sk are evaluated at the last real one (their values are dropped anyway; the
-        mask's aux lookups stay in range)."""
-        n_block, head, batch, m_block, _ = at
-        seqlen_q, seqlen_k, args = sizes
-        coords = rows_cols_view(f.coords_s)
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            key = cutlass.min(n_block * self.tile_n + coords[r, 0][0], seqlen_k - 1)
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                row = cutlass.min(m_block * self.tile_m + coords[0, c][1], seqlen_q - 1)
-                visible = self.mask_mod(batch, head, row, key, seqlen_q, seqlen_k, args)
-                scores[r, c] = Float32(cutlass.select_(visible, scores[r, c], Float32(0.0)))
-                grads[r, c] = Float32(cutlass.select_(visible, grads[r, c], Float32(0.0)))
 
     @cute.jit
     def products(self, f: BwdFragments, pipe_do, state):
@@ -466,7 +322,7 @@ class Sm90BwdStep:
 
     @cute.jit
     def products_by_columns(self, f: BwdFragments, pipe_q, pipe_do, state):
-        """dkv_split n: once both warpgroups' P^T and dS^T rows are in, dK += dS^T.Q first (Q's
+        """dkv_split n (and t): once both warpgroups' P and dS are in, dK += dS^T.Q first (Q's
         stage is freed as it ends, so the next Q loads during dV and dQ: one stage at d256), then
         dV += P^T.dO (frees dO), then dQ = dS.K (returned, done). Every reader of sP and sdS is
         done before stage_dq's barrier, after which the other warpgroup may write them again."""
@@ -505,18 +361,28 @@ class Sm90BwdStep:
 
     @cute.jit
     def _dk_product(self, f: BwdFragments, state):
-        for kb in cutlass.range_constexpr(cute.size(f.ds_operand, mode=[2])):
-            cute.gemm(f.dk, f.acc_dk, self._a_block(f.ds_operand, kb), f.tKrQ[None, None, kb, state.index], f.acc_dk)
+        """dK += dS^T.Q, or transposed dK^T += Q^T.dS (Q's stage is then the A operand)."""
+        for kb in cutlass.range_constexpr(cute.size(f.tKrQ, mode=[2])):
+            q = f.tKrQ[None, None, kb, state.index]
+            if cutlass.const_expr(self.cfg.transposed):
+                cute.gemm(f.dk, f.acc_dk, q, f.ds_operand[None, None, kb, 0], f.acc_dk)
+            else:
+                cute.gemm(f.dk, f.acc_dk, self._a_block(f.ds_operand, kb), q, f.acc_dk)
         warpgroup.commit_group()
 
     @cute.jit
     def _dv_product(self, f: BwdFragments, state):
-        for kb in cutlass.range_constexpr(cute.size(f.p_operand, mode=[2])):
-            cute.gemm(f.dkv, f.acc_dv, self._a_block(f.p_operand, kb), f.tVrdO[None, None, kb, state.index], f.acc_dv)
+        """dV += P^T.dO, or transposed dV^T += dO^T.P (dO's stage is then the A operand)."""
+        for kb in cutlass.range_constexpr(cute.size(f.tVrdO, mode=[2])):
+            do = f.tVrdO[None, None, kb, state.index]
+            if cutlass.const_expr(self.cfg.transposed):
+                cute.gemm(f.dkv, f.acc_dv, do, f.p_operand[None, None, kb, 0], f.acc_dv)
+            else:
+                cute.gemm(f.dkv, f.acc_dv, self._a_block(f.p_operand, kb), do, f.acc_dv)
         warpgroup.commit_group()
 
     def _a_block(self, operand, kb: int):
-        """K-block ``kb`` of dV's or dK's A operand (a shared-memory one has a stage mode)."""
+        """K-block ``kb`` of dV's or dK's A operand from P^T / dS^T (a shared-memory one has a stage mode)."""
         return operand[None, None, kb, 0] if self.cfg.dkv_split == "n" else operand[None, None, kb]
 
     @cute.jit
@@ -667,11 +533,16 @@ class Sm90BwdStep:
             self._add_rows(f.acc_dk, f.coords_dk, mdKaccum, where, self.cfg.softmax_scale)
             self._add_rows(f.acc_dv, f.coords_dv, mdVaccum, where, 1.0)
 
+    def _key_col(self, coords, i: int):
+        """(key, column) of accumulator element ``i`` of dK or dV (transposed: stored as (column, key))."""
+        first, second = coords[i]
+        return (second, first) if self.cfg.transposed else (first, second)
+
     @cute.jit
     def _store_rows(self, acc, coords, out, where, width: int, scale: float):
         first_key, kv_head, batch, seqlen_k = where
         for i in cutlass.range_constexpr(cute.size(acc)):
-            key, col = coords[i]
+            key, col = self._key_col(coords, i)
             value = acc[i] if cutlass.const_expr(scale == 1.0) else acc[i] * Float32(scale)
             if first_key + key < seqlen_k:
                 if col < width:  # (the padded head dim's columns are not stored)
@@ -682,7 +553,7 @@ class Sm90BwdStep:
         """``acc`` (times ``scale``) added into the fp32 sums, whole padded key tiles (no bounds)."""
         first_key, kv_head, batch, _ = where
         for i in cutlass.range_constexpr(cute.size(acc)):
-            key, col = coords[i]
+            key, col = self._key_col(coords, i)
             value = acc[i] if cutlass.const_expr(scale == 1.0) else acc[i] * Float32(scale)
             target = sums.iterator + cute.crd2idx((batch, first_key + key, kv_head, col), sums.layout)
             cute.arch.red(target, value, op="add", dtype="f32", sem="relaxed", scope="gpu")
