@@ -127,21 +127,8 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
     ):
         dtype = mQ.element_type
         self.dtype = dtype
-        # (S, D, H, B): sequence-major views, head dim contiguous
-        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        # V as the B operand of P.V: (Dv, S, H, B), Dv contiguous (MN-major)
-        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout = self._smem_layouts(dtype)
-        stage = (None, None, 0)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_q_t = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (WGMMA_M, self.dqk))
-        tma_k, tma_k_t = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
-        tma_v, tma_v_t = cpasync.make_tiled_tma_atom(g2s, vt, cute.slice_(sV_layout, stage), (self.dv, self.tile_n))
-        tma_o, tma_o_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), o, cute.slice_(sO_layout, stage), (WGMMA_M, self.dv)
-        )
+        q, k, tmas = self._tma_atoms(mQ, mK, mV, mO, (sQ_layout, sK_layout, sV_layout, sO_layout))
         o_elems, p_elems = self._stage_sizes(dtype, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout)
 
         @cute.struct
@@ -164,25 +151,12 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
         pairs = self.scheduler.pairs_now(k.shape[0])
         grid_x = self.scheduler.work_units(cute.ceil_div(q.shape[0], self.tile_m), q.shape[2] * q.shape[3], pairs)
         grid_x = cutlass.min(grid_x, num_ctas)
-        if cutlass.const_expr(self.cfg.split_tail):  # planner.split_workspace_shape
-            assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
-            assert (mWork.shape[1], mWork.shape[2], mWork.shape[3]) == (
-                self.num_consumers,
-                split_partial_words(self.dv),
-                WARPGROUP_THREADS,
-            )
+        self._check_split_workspace(mWork, mFlags)
         lse = None
         if cutlass.const_expr(mLSE is not None):
             lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, H, B)
         self.kernel(
-            tma_q,
-            tma_q_t,
-            tma_k,
-            tma_k_t,
-            tma_v,
-            tma_v_t,
-            tma_o,
-            tma_o_t,
+            *tmas,
             lse,
             mWork,
             mFlags,
@@ -201,6 +175,29 @@ class HopperAttentionForward(Sm90Producer, Sm90MainLoop, Sm90TileChain, Sm90Spli
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _tma_atoms(self, mQ, mK, mV, mO, layouts) -> tuple:
+        """(q, k, the (atom, tensor) pairs of Q's, K's and V's loads and O's store, flattened):
+        q, k and o as (S, D, H, B) views, head dim contiguous; V as the B operand of P.V,
+        (Dv, S, H, B) with Dv contiguous (MN-major)."""
+        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
+        q, k, o = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mO))
+        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        stage = (None, None, 0)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q = cpasync.make_tiled_tma_atom(g2s, q, cute.slice_(sQ_layout, stage), (WGMMA_M, self.dqk))
+        tma_k = cpasync.make_tiled_tma_atom(g2s, k, cute.slice_(sK_layout, stage), (self.tile_n, self.dqk))
+        tma_v = cpasync.make_tiled_tma_atom(g2s, vt, cute.slice_(sV_layout, stage), (self.dv, self.tile_n))
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_o = cpasync.make_tiled_tma_atom(s2g, o, cute.slice_(sO_layout, stage), (WGMMA_M, self.dv))
+        return q, k, (*tma_q, *tma_k, *tma_v, *tma_o)
+
+    def _check_split_workspace(self, mWork, mFlags) -> None:
+        """A split tail's workspace has the shape planner.split_workspace_shape gives (traced once)."""
+        if self.cfg.split_tail:
+            assert mWork is not None and mFlags is not None, "a split tail needs its workspace"
+            shape = (mWork.shape[1], mWork.shape[2], mWork.shape[3])
+            assert shape == (self.num_consumers, split_partial_words(self.dv), WARPGROUP_THREADS), shape
 
     def _smem_layouts(self, dtype):
         """(sQ, sK, sV, sO, sP) shared-memory layouts: Q and O one 64-row stage per consumer
