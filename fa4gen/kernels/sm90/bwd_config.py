@@ -129,7 +129,7 @@ class Sm90BwdConfig(BaseModel):
 
 def bwd_smem_bytes(c: Sm90BwdConfig) -> int:
     """K and V (one tile each), Q and dO (q_stages each) with their rows' LSE and dPsum, dS (one
-    tile, and P^T's beside it with dkv_split n), dQ's fp32 staging (dq_stages tiles)."""
+    tile, and P's beside it unless dkv_split is m), dQ's fp32 staging (dq_stages tiles)."""
     k_v = c.tile_n * (c.head_dim_padded + c.head_dim_v_padded)
     q_do = c.q_stages * c.tile_m * (c.head_dim_padded + c.head_dim_v_padded)
     ds = c.tile_m * c.tile_n * (1 if c.dkv_split == "m" else 2)

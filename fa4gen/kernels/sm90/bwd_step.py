@@ -219,7 +219,7 @@ class Sm90BwdStep:
         return (self.tile_n, self.dqk), (self.tile_n, self.dv)
 
     def _dkv_tiling(self) -> tuple:
-        """(warpgroup layout, S^T's tiler, dV's and dK's A major mode, dV's tiler, dK's tiler)."""
+        """(warpgroup layout, S^T's (or S's) tiler, dV's and dK's A major mode, dV's tiler, dK's tiler)."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         W = self.num_consumers
         if self.cfg.dkv_split == "t":
@@ -359,26 +359,24 @@ class Sm90BwdStep:
         warpgroup.commit_group()
         return acc_dq
 
-    @cute.jit
     def _dk_product(self, f: BwdFragments, state):
-        """dK += dS^T.Q, or transposed dK^T += Q^T.dS (Q's stage is then the A operand)."""
-        for kb in cutlass.range_constexpr(cute.size(f.tKrQ, mode=[2])):
-            q = f.tKrQ[None, None, kb, state.index]
-            if cutlass.const_expr(self.cfg.transposed):
-                cute.gemm(f.dk, f.acc_dk, q, f.ds_operand[None, None, kb, 0], f.acc_dk)
-            else:
-                cute.gemm(f.dk, f.acc_dk, self._a_block(f.ds_operand, kb), q, f.acc_dk)
-        warpgroup.commit_group()
+        """dK += dS^T.Q, or transposed dK^T += Q^T.dS."""
+        self._key_product(f.dk, f.acc_dk, f.tKrQ, f.ds_operand, state)
+
+    def _dv_product(self, f: BwdFragments, state):
+        """dV += P^T.dO, or transposed dV^T += dO^T.P."""
+        self._key_product(f.dkv, f.acc_dv, f.tVrdO, f.p_operand, state)
 
     @cute.jit
-    def _dv_product(self, f: BwdFragments, state):
-        """dV += P^T.dO, or transposed dV^T += dO^T.P (dO's stage is then the A operand)."""
-        for kb in cutlass.range_constexpr(cute.size(f.tVrdO, mode=[2])):
-            do = f.tVrdO[None, None, kb, state.index]
+    def _key_product(self, mma, acc, staged, probs, state):
+        """``acc`` += ``probs``^T . ``staged`` (a step's Q or dO, from its stage), or transposed
+        ``staged``^T . ``probs`` (the staged operand is then A, read MN-major); one commit group."""
+        for kb in cutlass.range_constexpr(cute.size(staged, mode=[2])):
+            rows = staged[None, None, kb, state.index]
             if cutlass.const_expr(self.cfg.transposed):
-                cute.gemm(f.dkv, f.acc_dv, do, f.p_operand[None, None, kb, 0], f.acc_dv)
+                cute.gemm(mma, acc, rows, probs[None, None, kb, 0], acc)
             else:
-                cute.gemm(f.dkv, f.acc_dv, self._a_block(f.p_operand, kb), do, f.acc_dv)
+                cute.gemm(mma, acc, self._a_block(probs, kb), rows, acc)
         warpgroup.commit_group()
 
     def _a_block(self, operand, kb: int):
