@@ -42,24 +42,29 @@ def _inputs(spec, batch: int, seqlen_q: int, seqlen_k: int, seed: int):
     return q, k, v, dout, args
 
 
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_backward_matches_reference(name, shape):
-    """The backward kernel on the training forward's out and LSE, into NaN-filled gradients."""
+def _backward_matches_reference(spec, shape, seed: int, plan=None):
+    """The backward (``plan``, else the planner's) on the training forward's out and LSE, into
+    NaN-filled gradients it must return, against the reference; (the backward, the call's
+    tensors, the variant's values, the gradients)."""
     import torch
 
-    spec = CASES[name]
-    q, k, v, dout, args = _inputs(spec, *shape, seed=hash((name, shape)) % 2**31)
+    q, k, v, dout, args = _inputs(spec, *shape, seed=seed)
     out, lse = fa4gen.compile(training_spec(spec))(q, k, v, **args)
-    dlse = None
-    if spec.return_lse:
-        dlse = torch.randn(lse.shape, device="cuda", dtype=torch.float32)
+    dlse = torch.randn(lse.shape, device="cuda", dtype=torch.float32) if spec.return_lse else None
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    backward = fa4gen.compile_backward(spec)
+    backward = fa4gen.compile_backward(spec, kernel_plan=plan)
     result = backward(q, k, v, out, dout, lse, dlse, dq=grads[0], dk=grads[1], dv=grads[2], **args)
     assert all(got is given for got, given in zip(result, grads))
     torch.cuda.synchronize()
     assert_gradients_close(spec, q, k, v, dout, result, dlse=dlse, args=args)
+    return backward, (q, k, v, out, dout, lse, dlse), args, result
+
+
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_matches_reference(name, shape):
+    """The backward kernel on the training forward's out and LSE, into NaN-filled gradients."""
+    _backward_matches_reference(CASES[name], shape, seed=hash((name, shape)) % 2**31)
 
 
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "b{}-sq{}-sk{}".format(*s))
@@ -71,17 +76,11 @@ def test_transposed_backward_matches_reference(name, shape):
     import torch
 
     spec = transposed_specs()[name]
-    q, k, v, dout, args = _inputs(spec, *shape, seed=hash((name, shape, "t")) % 2**31)
-    out, lse = fa4gen.compile(training_spec(spec))(q, k, v, **args)
-    dlse = torch.randn(lse.shape, device="cuda", dtype=torch.float32) if spec.return_lse else None
-    backward = fa4gen.compile_backward(spec, kernel_plan=transposed_plan(spec))
+    seed = hash((name, shape, "t")) % 2**31
+    backward, tensors, args, result = _backward_matches_reference(spec, shape, seed, transposed_plan(spec))
     assert backward.plan.config.dkv_split == "t"
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    result = backward(q, k, v, out, dout, lse, dlse, dq=grads[0], dk=grads[1], dv=grads[2], **args)
-    torch.cuda.synchronize()
-    assert_gradients_close(spec, q, k, v, dout, result, dlse=dlse, args=args)
     if spec.deterministic:
-        again = backward(q, k, v, out, dout, lse, dlse, **args)
+        again = backward(*tensors, **args)
         assert all(torch.equal(a, b) for a, b in zip(again, result))
 
 
